@@ -1,0 +1,72 @@
+"""streamcoll: stream-aware collectives for PyTorch over NCCL and oneCCL.
+
+A drop-in for torch.distributed's collectives in custom training loops::
+
+    import streamcoll as dist
+    dist.init()                       # torchrun's RANK/WORLD_SIZE/MASTER_*
+    dist.all_reduce(grad)             # current stream, no event, returns None
+    work = dist.all_reduce(grad, async_op=True)   # comm stream + event
+    work.wait()                       # current stream waits; host does not
+
+Importing streamcoll loads no native library; they load on first use.
+"""
+from __future__ import annotations
+
+from .bootstrap import (
+    default_communicator,
+    destroy,
+    destroy_process_group,
+    get_rank,
+    get_world_size,
+    init,
+    is_available,
+    is_initialized,
+    new_communicator,
+)
+from .collectives import (
+    all_gather,
+    all_gather_into_tensor,
+    all_reduce,
+    all_to_all,
+    all_to_all_single,
+    allreduce,
+    barrier,
+    batch_isend_irecv,
+    broadcast,
+    gather,
+    irecv,
+    isend,
+    recv,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_tensor,
+    scatter,
+    send,
+)
+from .communicator import Communicator, P2POp
+from .errors import (
+    CollectiveError,
+    CollectiveTimeout,
+    CommunicatorError,
+    FunctionNotFoundError,
+    LibraryError,
+    LibraryNotFoundError,
+    MismatchError,
+    NcclError,
+    OnecclError,
+)
+from .ops import PreMulSum, ReduceOp, premul_sum
+from .work import Work
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init", "new_communicator", "destroy", "destroy_process_group", "is_initialized", "is_available",
+    "get_rank", "get_world_size", "default_communicator",
+    "Communicator", "Work", "P2POp", "ReduceOp", "PreMulSum", "premul_sum",
+    "all_reduce", "allreduce", "broadcast", "reduce", "all_gather_into_tensor", "all_gather",
+    "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single", "all_to_all", "gather", "scatter",
+    "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier",
+    "CollectiveError", "LibraryError", "NcclError", "OnecclError", "LibraryNotFoundError",
+    "FunctionNotFoundError", "CommunicatorError", "CollectiveTimeout", "MismatchError",
+]

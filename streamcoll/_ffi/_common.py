@@ -1,0 +1,255 @@
+"""Machinery shared by the per-library bindings: finding and loading a shared
+library, lazily resolved symbols, and turning result codes into exceptions.
+
+Nothing here imports torch.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import cffi
+
+from ..errors import FunctionNotFoundError, LibraryNotFoundError
+
+__all__ = ["NATIVE_DIR", "Binding", "read_declarations", "enum_values"]
+
+
+def _native_dir() -> Path:
+    """The folder holding the C declarations: ``native/`` of a source checkout,
+    or the copy installed as the ``streamcoll._native`` package data."""
+    here = Path(__file__).resolve().parent
+    for cand in (here.parent.parent / "native", here.parent / "_native"):
+        if (cand / "nccl.h").is_file():
+            return cand
+    return here.parent.parent / "native"
+
+
+NATIVE_DIR = _native_dir()
+
+
+def read_declarations(name: str) -> str:
+    """The cdef text of ``native/<name>.h``."""
+    return (NATIVE_DIR / f"{name}.h").read_text()
+
+
+def enum_values(ffi: cffi.FFI, enum_ctype: str) -> Dict[str, int]:
+    """Every ``name: value`` of an enum type, read back from the declarations."""
+    return dict(ffi.typeof(enum_ctype).relements)
+
+
+def _loaded_in_process(soname: str) -> Optional[str]:
+    """Path of ``soname`` if some library already mapped it into this process
+    (torch's CUDA build loads NCCL from its wheel, for instance)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+                if path.endswith("/" + soname):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+class _LazyLib:
+    """Attribute access to a dlopened library that resolves each symbol on
+    first use. A symbol the library lacks raises FunctionNotFoundError naming
+    the function and the version that has it, at call time, never at import.
+    Resolved functions are cached in the instance dict, so later lookups are a
+    plain attribute read."""
+
+    def __init__(self, binding: "Binding", lib) -> None:
+        self.__dict__["_binding"] = binding
+        self.__dict__["_lib"] = lib
+
+    def __getattr__(self, name: str):
+        lib = self.__dict__["_lib"]
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            b = self.__dict__["_binding"]
+            raise FunctionNotFoundError(
+                b.name, name, b.version_string(), b.min_versions.get(name, b.declared_version)
+            ) from None
+        self.__dict__[name] = fn
+        return fn
+
+    def has(self, name: str) -> bool:
+        try:
+            getattr(self, name)
+        except FunctionNotFoundError:
+            return False
+        return True
+
+
+class Binding:
+    """One native library: its declarations, how to find it, and its errors.
+
+    Subclasses fill in the class attributes; :meth:`lib` loads on first use and
+    caches the result (success or the aggregated failure).
+    """
+
+    name: str = ""
+    soname: str = ""
+    env_var: str = ""
+    declarations: str = ""
+    declared_version: str = ""
+    install_hint: str = ""
+    probe_symbol: str = ""
+    result_enum: str = ""
+    min_versions: Dict[str, str] = {}
+    error_class: type = Exception
+
+    def __init__(self) -> None:
+        self.ffi = cffi.FFI()
+        self.ffi.cdef(read_declarations(self.declarations))
+        self._lock = threading.Lock()
+        self._lib: Optional[_LazyLib] = None
+        self._raw = None
+        self._error: Optional[LibraryNotFoundError] = None
+        self.path: Optional[str] = None
+        self.tried: List[str] = []
+        # Every enumerator of every enum in the declarations: name -> value.
+        self.constants: Dict[str, int] = {}
+        for tname in self.ffi.list_types()[0]:
+            t = self.ffi.typeof(tname)
+            if t.kind == "enum":
+                self.constants.update(t.relements)
+        self.result_names: Dict[int, str] = {}
+        for n, v in enum_values(self.ffi, self.result_enum).items():
+            self.result_names.setdefault(v, n)
+
+    # ---- finding -------------------------------------------------------
+    def candidates(self) -> List[Tuple[str, str]]:
+        """(description, path-or-soname) in search order. Overridden."""
+        raise NotImplementedError
+
+    def _env_candidates(self) -> List[Tuple[str, str]]:
+        val = os.environ.get(self.env_var)
+        if not val:
+            return [(f"${self.env_var}", "")]
+        p = Path(val)
+        if p.is_dir():
+            p = p / self.soname
+        return [(f"${self.env_var}", str(p))]
+
+    def before_load(self) -> None:
+        """Hook run once before the first dlopen (environment defaults)."""
+
+    def lib(self) -> _LazyLib:
+        lib = self._lib
+        if lib is not None:
+            return lib
+        with self._lock:
+            if self._lib is not None:
+                return self._lib
+            if self._error is not None:
+                raise self._error
+            self.before_load()
+            tried: List[str] = []
+            for desc, path in self.candidates():
+                if not path:
+                    tried.append(f"{desc}: not set")
+                    continue
+                if os.sep in path and not os.path.exists(path):
+                    tried.append(f"{desc}: {path}: no such file")
+                    continue
+                try:
+                    raw = self.ffi.dlopen(path)
+                    getattr(raw, self.probe_symbol)
+                except (OSError, AttributeError) as e:
+                    tried.append(f"{desc}: {path}: {e}")
+                    continue
+                self._raw = raw
+                self.path = _resolved_path(path, self.soname)
+                tried.append(f"{desc}: {path}: loaded")
+                self.tried = tried
+                self._lib = _LazyLib(self, raw)
+                return self._lib
+            self.tried = tried
+            self._error = LibraryNotFoundError(self.name, tried, self.install_hint)
+            raise self._error
+
+    def const(self, name: str) -> int:
+        """The value of enumerator ``name`` from the declarations."""
+        try:
+            return self.constants[name]
+        except KeyError:
+            raise KeyError(f"{name} is not an enumerator in native/{self.declarations}.h") from None
+
+    def is_available(self) -> bool:
+        """Whether the library loads; never raises."""
+        try:
+            self.lib()
+            return True
+        except Exception:
+            return False
+
+    # ---- errors -----------------------------------------------------------
+    def code_name(self, code: int) -> str:
+        return self.result_names.get(code, f"unknown result {code}")
+
+    def error(self, function: str, code: int, comm=None):
+        """The exception for ``function`` returning ``code``."""
+        return self.error_class(
+            self.name, function, int(code), self.code_name(code),
+            self._error_string(code), self._last_error(comm),
+        )
+
+    def _error_string(self, code: int) -> str:
+        raise NotImplementedError
+
+    def _last_error(self, comm) -> str:
+        raise NotImplementedError
+
+    def _cstr(self, p) -> str:
+        if p == self.ffi.NULL:
+            return ""
+        return self.ffi.string(p).decode("utf-8", "replace").strip()
+
+    def version_string(self) -> str:
+        raise NotImplementedError
+
+
+def _resolved_path(path: str, soname: str) -> str:
+    """The file the loader actually mapped for ``path``."""
+    if os.sep in path:
+        return os.path.realpath(path)
+    found = _loaded_in_process(soname)
+    return found or path
+
+
+def site_dirs() -> List[Path]:
+    """Python prefixes and site-packages folders, in import order."""
+    import site
+    dirs: List[Path] = []
+    for p in list(sys.path) + (site.getsitepackages() if hasattr(site, "getsitepackages") else []) + [site.getusersitepackages()]:
+        if p and os.path.isdir(p):
+            q = Path(p)
+            if q not in dirs:
+                dirs.append(q)
+    return dirs
+
+
+def prefixes() -> List[Path]:
+    """Install prefixes where wheels put ``<prefix>/lib`` data files."""
+    import site
+    out: List[Path] = []
+    for p in (sys.prefix, sys.base_prefix, site.USER_BASE or ""):
+        if p and Path(p) not in out:
+            out.append(Path(p))
+    return out
+
+
+def runtime_home() -> Path:
+    """Where streamcoll's own set-up assembles native runtimes
+    (``$STREAMCOLL_HOME``, default ``~/.cache/streamcoll``)."""
+    home = os.environ.get("STREAMCOLL_HOME")
+    if home:
+        return Path(home)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg) / "streamcoll" if xdg else Path.home() / ".cache" / "streamcoll"

@@ -1,0 +1,89 @@
+"""cffi binding (ABI mode) to oneCCL's NCCL-like C API, ``libccl.so.2``.
+
+Declarations: ``native/oneccl.h`` (oneCCL 2022.2.0 headers). The stream
+argument of every collective is ``void*``: a ``sycl::queue*`` for Intel GPU
+buffers, NULL for host buffers (then the call returns after completion).
+
+Library search order (first that loads and exports ``onecclGetVersion``):
+
+1. ``$STREAMCOLL_ONECCL_LIBRARY``: a path to ``libccl.so.2`` or its folder.
+2. Python wheels: ``<prefix>/lib/libccl.so.2`` of this interpreter's
+   prefixes (the ``oneccl`` wheel installs its libraries there).
+3. An installed oneAPI: ``$CCL_ROOT/lib``, then ``/opt/intel/oneapi/ccl/latest/lib``.
+4. The runtime streamcoll's set-up assembles (``scripts/setup.sh``):
+   ``$STREAMCOLL_HOME/oneccl/lib`` (default ``~/.cache/streamcoll/oneccl/lib``).
+5. The system loader: ``libccl.so.2`` by name (``LD_LIBRARY_PATH``, ldconfig).
+
+On the CPU the C API front dispatches to the plugin ``libccl_legacy_cpu.so``,
+which needs ``libccl.so.1`` from the ``oneccl-cpu`` wheel beside it, and the
+transport needs libfabric (Debian: ``libfabric1``).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import List, Tuple
+
+from ..errors import OnecclError
+from ._common import Binding, _loaded_in_process, prefixes, runtime_home
+
+__all__ = ["ONECCL", "binding"]
+
+
+class _Oneccl(Binding):
+    name = "oneccl"
+    soname = "libccl.so.2"
+    env_var = "STREAMCOLL_ONECCL_LIBRARY"
+    declarations = "oneccl"
+    declared_version = "2022.2.0"
+    install_hint = "bash scripts/setup.sh  (apt libfabric1 + the oneccl, oneccl-cpu wheels with --no-deps)"
+    probe_symbol = "onecclGetVersion"
+    result_enum = "onecclResult_t"
+    error_class = OnecclError
+    # Every function in native/oneccl.h is in 2022.2.0, the first release with
+    # the C API.
+    min_versions = {}
+
+    def candidates(self) -> List[Tuple[str, str]]:
+        out = self._env_candidates()
+        loaded = _loaded_in_process(self.soname)
+        if loaded:
+            out.append(("already loaded in this process", loaded))
+        for p in prefixes():
+            out.append((f"wheel prefix {p}", str(p / "lib" / self.soname)))
+        root = os.environ.get("CCL_ROOT")
+        out.append(("$CCL_ROOT/lib", str(Path(root) / "lib" / self.soname) if root else ""))
+        out.append(("oneAPI default", "/opt/intel/oneapi/ccl/latest/lib/" + self.soname))
+        out.append(("streamcoll runtime", str(runtime_home() / "oneccl" / "lib" / self.soname)))
+        out.append(("system loader", self.soname))
+        return out
+
+    def _error_string(self, code: int) -> str:
+        lib = self._lib
+        if lib is None:
+            return ""
+        return self._cstr(lib.onecclGetErrorString(code))
+
+    def _last_error(self, comm) -> str:
+        lib = self._lib
+        if lib is None:
+            return ""
+        return self._cstr(lib.onecclGetLastError(comm if comm is not None else self.ffi.NULL))
+
+    def version(self) -> int:
+        """ONECCL_VERSION_CODE of the loaded library (major*10000+minor*100+patch)."""
+        lib = self.lib()
+        v = self.ffi.new("int *")
+        rc = lib.onecclGetVersion(v)
+        if rc:
+            raise self.error("onecclGetVersion", rc)
+        return v[0]
+
+    def version_string(self) -> str:
+        if self._lib is None:
+            return "(not loaded)"
+        v = self.version()
+        return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+
+
+binding = ONECCL = _Oneccl()

@@ -1,0 +1,264 @@
+"""What differs between NCCL and oneCCL, as data: function names, the dtype
+and reduction tables, and which reductions each library lacks (so the
+Communicator applies a fallback or raises, never returns a wrong answer).
+
+Enum values are read from the cffi declarations (``native/*.h``), never
+retyped here.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from ._ffi._common import Binding
+from .errors import CommunicatorError
+
+__all__ = ["Backend", "get_backend", "BACKEND_FOR_DEVICE"]
+
+# torch dtype -> the enum suffix both libraries use (ncclFloat32, onecclFloat32).
+# bool travels as uint8, with SUM/PRODUCT mapped to MAX/MIN (logical or/and),
+# as ProcessGroupNCCL does.
+_DTYPE_SUFFIX = {
+    torch.int8: "Int8",
+    torch.uint8: "Uint8",
+    torch.bool: "Uint8",
+    torch.int32: "Int32",
+    torch.int64: "Int64",
+    torch.float16: "Float16",
+    torch.bfloat16: "Bfloat16",
+    torch.float32: "Float32",
+    torch.float64: "Float64",
+}
+_NCCL_EXTRA_DTYPES = {}
+for _name, _suffix in (("float8_e4m3fn", "Float8e4m3"), ("float8_e5m2", "Float8e5m2")):
+    if hasattr(torch, _name):
+        _NCCL_EXTRA_DTYPES[getattr(torch, _name)] = _suffix
+
+_OP_SUFFIX = {"SUM": "Sum", "PRODUCT": "Prod", "MIN": "Min", "MAX": "Max", "AVG": "Avg"}
+_BOOL_OPS = {"SUM": "Max", "PRODUCT": "Min", "MIN": "Min", "MAX": "Max"}
+
+# Collective -> C function name, per library. A missing entry means the
+# library has no such function; the Communicator composes it (Gather on
+# oneCCL from Send/Recv in a group, say).
+_FUNCS = {
+    "nccl": {
+        "all_reduce": "ncclAllReduce",
+        "broadcast": "ncclBroadcast",
+        "reduce": "ncclReduce",
+        "all_gather": "ncclAllGather",
+        "reduce_scatter": "ncclReduceScatter",
+        "all_to_all": "ncclAlltoAll",
+        "gather": "ncclGather",
+        "scatter": "ncclScatter",
+        "send": "ncclSend",
+        "recv": "ncclRecv",
+        "group_start": "ncclGroupStart",
+        "group_end": "ncclGroupEnd",
+        "get_unique_id": "ncclGetUniqueId",
+        "init_rank": "ncclCommInitRank",
+        "init_rank_config": "ncclCommInitRankConfig",
+        "split": "ncclCommSplit",
+        "finalize": "ncclCommFinalize",
+        "destroy": "ncclCommDestroy",
+        "abort": "ncclCommAbort",
+        "count": "ncclCommCount",
+        "user_rank": "ncclCommUserRank",
+    },
+    "oneccl": {
+        "all_reduce": "onecclAllReduce",
+        "broadcast": "onecclBroadcast",
+        "reduce": "onecclReduce",
+        "all_gather": "onecclAllGather",
+        "reduce_scatter": "onecclReduceScatter",
+        "all_to_all": "onecclAllToAll",
+        "all_to_all_v": "onecclAllToAllV",
+        "scatter": "onecclScatter",
+        "send": "onecclSend",
+        "recv": "onecclRecv",
+        "group_start": "onecclGroupStart",
+        "group_end": "onecclGroupEnd",
+        "get_unique_id": "onecclGetUniqueId",
+        "init_rank": "onecclCommInitRank",
+        "init_rank_config": "onecclCommInitRankConfig",
+        "split": "onecclCommSplit",
+        "finalize": "onecclCommFinalize",
+        "destroy": "onecclCommDestroy",
+        "count": "onecclCommCount",
+        "user_rank": "onecclCommUserRank",
+    },
+}
+
+# Reductions a library accepts but does not implement for a device type:
+# oneCCL 2022.2 on the CPU fails AVG with "Unsupported onecclRedOp_t value"
+# and returns NotImplemented for PreMulSum. streamcoll then reduces with SUM
+# and scales the result.
+_EMULATED_OPS = {
+    ("oneccl", "cpu"): frozenset({"AVG", "PREMUL_SUM"}),
+    ("oneccl", "xpu"): frozenset({"PREMUL_SUM"}),
+    ("nccl", "cuda"): frozenset(),
+}
+
+BACKEND_FOR_DEVICE = {"cpu": "oneccl", "xpu": "oneccl", "cuda": "nccl"}
+_DEVICES_FOR_BACKEND = {"oneccl": ("cpu", "xpu"), "nccl": ("cuda",)}
+
+
+class Backend:
+    """One library as the Communicator sees it."""
+
+    def __init__(self, name: str, binding: Binding, prefix: str) -> None:
+        self.name = name
+        self.binding = binding
+        self.ffi = binding.ffi
+        self.prefix = prefix
+        self.funcs = _FUNCS[name]
+        const = binding.const
+        self.dtypes: Dict[torch.dtype, int] = {
+            dt: const(prefix + sfx) for dt, sfx in _DTYPE_SUFFIX.items()
+        }
+        if name == "nccl":
+            self.dtypes.update({dt: const(prefix + sfx) for dt, sfx in _NCCL_EXTRA_DTYPES.items()})
+        self.ops: Dict[str, int] = {n: const(prefix + s) for n, s in _OP_SUFFIX.items()}
+        self.bool_ops: Dict[str, int] = {n: const(prefix + s) for n, s in _BOOL_OPS.items()}
+        self.uid_type = "ncclUniqueId" if name == "nccl" else "onecclUniqueId"
+        self.comm_type = "ncclComm_t" if name == "nccl" else "onecclComm_t"
+        self.config_type = "ncclConfig_t" if name == "nccl" else "onecclConfig_t"
+
+    def lib(self):
+        return self.binding.lib()
+
+    def check_device(self, device: torch.device) -> None:
+        if device.type not in _DEVICES_FOR_BACKEND[self.name]:
+            raise ValueError(
+                f"backend {self.name!r} does not run on device {device}; it supports "
+                f"{', '.join(_DEVICES_FOR_BACKEND[self.name])} (cpu and xpu: 'oneccl'; cuda: 'nccl')"
+            )
+
+    def emulated(self, device_type: str) -> frozenset:
+        return _EMULATED_OPS.get((self.name, device_type), frozenset())
+
+    def func(self, collective: str) -> Optional[str]:
+        return self.funcs.get(collective)
+
+    # ---- communicator life cycle (not on the hot path) -------------------
+    def unique_id(self) -> bytes:
+        ffi = self.ffi
+        uid = ffi.new(self.uid_type + " *")
+        rc = getattr(self.lib(), self.funcs["get_unique_id"])(uid)
+        if rc:
+            raise self.binding.error(self.funcs["get_unique_id"], rc)
+        return bytes(ffi.buffer(uid))
+
+    def init_rank(self, nranks: int, uid: bytes, rank: int, blocking: Optional[bool] = None):
+        ffi = self.ffi
+        expected = ffi.sizeof(self.uid_type)
+        if len(uid) != expected:
+            raise ValueError(f"unique id: expected {expected} bytes for {self.name}, got {len(uid)}")
+        cid = ffi.new(self.uid_type + " *")
+        ffi.memmove(cid, uid, expected)
+        comm = ffi.new(self.comm_type + " *")
+        lib = self.lib()
+        if blocking is not None and self.name == "nccl":
+            cfg = self.default_config()
+            cfg.blocking = 1 if blocking else 0
+            fname = self.funcs["init_rank_config"]
+            rc = getattr(lib, fname)(comm, nranks, cid[0], rank, cfg)
+        else:
+            fname = self.funcs["init_rank"]
+            rc = getattr(lib, fname)(comm, nranks, cid[0], rank)
+        if rc:
+            raise self.binding.error(fname, rc)
+        return comm[0]
+
+    def default_config(self):
+        """A config struct filled as the header's *_CONFIG_INITIALIZER does."""
+        ffi = self.ffi
+        cfg = ffi.new(self.config_type + " *")
+        undef = -(2 ** 31)
+        t = ffi.typeof(self.config_type)
+        for fname, field in t.fields:
+            if field.type.kind == "primitive" and field.type.cname == "int":
+                setattr(cfg, fname, undef)
+        cfg.size = ffi.sizeof(self.config_type)
+        cfg.magic = 0xCAFEBEEF
+        if self.name == "nccl":
+            cfg.version = 23203
+            cfg.netName = ffi.NULL
+            cfg.commName = ffi.NULL
+        else:
+            cfg.version = 20220200
+            cfg.netName = ffi.NULL
+            cfg.plugin = self.binding.const("onecclPluginAny")
+        return cfg
+
+    def split(self, comm, color: int, key: int):
+        ffi = self.ffi
+        new = ffi.new(self.comm_type + " *")
+        fname = self.funcs["split"]
+        rc = getattr(self.lib(), fname)(comm, color, key, new, ffi.NULL)
+        if rc:
+            raise self.binding.error(fname, rc, comm)
+        return new[0]
+
+    def query(self, comm, what: str) -> int:
+        v = self.ffi.new("int *")
+        fname = self.funcs[what]
+        rc = getattr(self.lib(), fname)(comm, v)
+        if rc:
+            raise self.binding.error(fname, rc, comm)
+        return v[0]
+
+    def destroy(self, comm, finalize: bool = True) -> None:
+        lib = self.lib()
+        if finalize:
+            rc = getattr(lib, self.funcs["finalize"])(comm)
+            if rc:
+                raise self.binding.error(self.funcs["finalize"], rc, comm)
+        rc = getattr(lib, self.funcs["destroy"])(comm)
+        if rc:
+            raise self.binding.error(self.funcs["destroy"], rc, comm)
+
+    def abort(self, comm) -> bool:
+        """Abort ``comm`` if the library can (NCCL); False where it cannot
+        (oneCCL 2022.2 declares onecclCommAbort not implemented)."""
+        fname = self.funcs.get("abort")
+        if fname is None:
+            return False
+        rc = getattr(self.lib(), fname)(comm)
+        if rc:
+            raise self.binding.error(fname, rc, comm)
+        return True
+
+
+_BACKENDS: Dict[str, Backend] = {}
+
+
+def get_backend(name: str) -> Backend:
+    """The Backend named ``name`` ("nccl" or "oneccl"); does not load the library."""
+    b = _BACKENDS.get(name)
+    if b is not None:
+        return b
+    if name == "nccl":
+        from ._ffi.nccl import NCCL as binding
+        prefix = "nccl"
+    elif name in ("oneccl", "ccl", "xccl"):
+        from ._ffi.oneccl import ONECCL as binding
+        prefix, name = "oneccl", "oneccl"
+    else:
+        raise ValueError(f"backend: expected 'nccl' or 'oneccl', got {name!r}")
+    b = _BACKENDS[name] = Backend(name, binding, prefix)
+    return b
+
+
+def resolve(backend: Optional[str], device: torch.device) -> Tuple[Backend, torch.device]:
+    """The Backend for an explicit ``backend`` or, if None, for ``device``."""
+    if backend is None:
+        if device.type not in BACKEND_FOR_DEVICE:
+            raise ValueError(f"device: expected a cpu, cuda or xpu device, got {device}")
+        backend = BACKEND_FOR_DEVICE[device.type]
+    b = get_backend(backend)
+    b.check_device(device)
+    return b, device
+
+
+__all__ += ["resolve", "CommunicatorError"]

@@ -1,0 +1,425 @@
+"""Device runtimes and the per-(device, current stream) comm-stream cache.
+
+The Communicator's launch strategies are written once against the small
+:class:`Runtime` interface; one adapter per device type supplies streams and
+events:
+
+- :class:`CudaRuntime`: CUDA streams and events through torch; the native
+  handle handed to NCCL is the ``cudaStream_t``.
+- :class:`XpuRuntime`: XPU streams and events through torch; the handle handed
+  to oneCCL is the ``sycl::queue*``.
+- :class:`CpuRuntime`: the host analogue. The "current stream" is the calling
+  thread (a collective on it runs inline and returns when complete); a "comm
+  stream" is a lane feeding the communicator's comm thread, which executes
+  every queued call in issue order; an event is a marker that the comm thread
+  passes. All lanes of one communicator feed the same thread, so cross-rank
+  order is issue order, which oneCCL needs.
+
+A :class:`Lane` is what the cache holds per key: the comm stream, the current
+stream it serves, the one reusable "inputs ready" event (a stream wait takes
+the event's state at the time of the wait, so re-recording it for the next
+call is safe) and a pool of completion events that Works return when they are
+released.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+__all__ = ["Runtime", "CpuRuntime", "CudaRuntime", "XpuRuntime", "Lane", "runtime_for"]
+
+
+class Lane:
+    """A comm stream serving one (device, current stream) key."""
+
+    __slots__ = ("key", "stream", "current", "handle", "ready", "pool", "created")
+
+    def __init__(self, key: Any, stream: Any, current: Any, handle: Any, ready: Any) -> None:
+        self.key = key
+        self.stream = stream
+        self.current = current
+        self.handle = handle
+        self.ready = ready
+        self.pool: List[Any] = []
+        self.created = 0  # completion events ever made for this lane
+
+
+class Runtime:
+    """What the launch strategies need from a device type."""
+
+    device_type = ""
+
+    def __init__(self, device: torch.device, native: Callable[[Any], Any]) -> None:
+        self.device = device
+        # int handle (or None) -> the cdata the C call takes; cached by the caller.
+        self.native = native
+
+    # current stream ----------------------------------------------------
+    def current_key(self) -> Any:
+        """Hashable identity of the caller's current stream; cheap."""
+        raise NotImplementedError
+
+    def current_handle(self) -> Any:
+        """Native handle of the caller's current stream for the C call."""
+        raise NotImplementedError
+
+    def stream_handle(self, stream: Any) -> Any:
+        raise NotImplementedError
+
+    def new_lane(self, key: Any) -> Lane:
+        raise NotImplementedError
+
+    # launching ------------------------------------------------------------
+    def run_current(self, fn: Callable[[Any], None], post: Optional[Callable[[], None]]) -> None:
+        """Run ``fn(handle)`` on the caller's current stream, then ``post()``
+        (torch ops finishing the result, e.g. the AVG division) on it too."""
+        fn(self.current_handle())
+        if post is not None:
+            post()
+
+    def run_on(self, stream: Any, fn: Callable[[Any], None], post) -> None:
+        """Run ``fn(handle)`` and ``post()`` on an explicit stream (``stream=``)."""
+        fn(self.native(self.stream_handle(stream)))
+        if post is not None:
+            with self.mod.stream(stream):
+                post()
+
+    def submit(self, lane: Lane, fn: Callable[[Any], None], post, keep: Any) -> None:
+        """Launch ``fn`` then ``post`` on ``lane``'s comm stream, after the
+        caller's prior work on its current stream."""
+        raise NotImplementedError
+
+    # events ---------------------------------------------------------------
+    def completion_event(self, lane: Lane, token: Any) -> Any:
+        """An event (from the lane's pool) marking the completion of the work
+        ``submit`` just launched (``token`` is what ``submit`` returned)."""
+        raise NotImplementedError
+
+    def release_event(self, lane: Lane, event: Any) -> None:
+        lane.pool.append(event)
+
+    def query(self, event: Any) -> bool:
+        raise NotImplementedError
+
+    def error(self, event: Any) -> Optional[BaseException]:
+        """The failure of the work behind ``event``, if the runtime knows it."""
+        return None
+
+    def wait_current(self, event: Any, timeout: Optional[float]) -> bool:
+        """Make the caller's current stream wait for ``event``. GPU: no host
+        block. CPU: the current stream is the thread, so it blocks (up to
+        ``timeout`` seconds; returns False on timeout)."""
+        raise NotImplementedError
+
+    def synchronize(self, event: Any, timeout: Optional[float]) -> bool:
+        """Block the host until ``event`` completes (False on timeout)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.query(event):
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.0002)
+        return True
+
+    def keep_alive(self, tensors, lane: Lane) -> None:
+        """record_stream mode: tell the caching allocator the comm stream uses these."""
+        for t in tensors:
+            t.record_stream(lane.stream)
+
+    def is_capturing(self) -> bool:
+        return False
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        pass
+
+
+# ---------------------------------------------------------------- CPU ----
+class _Item:
+    """One queued call on the CPU comm thread."""
+
+    __slots__ = ("fn", "post", "keep", "done", "exc", "callbacks")
+
+    def __init__(self, fn, post, keep) -> None:
+        self.fn = fn
+        self.post = post
+        self.keep = keep
+        self.done = False
+        self.exc: Optional[BaseException] = None
+        self.callbacks: Optional[list] = None
+
+
+class CpuEvent:
+    """Passed when the comm thread has finished the item it marks."""
+
+    __slots__ = ("item",)
+
+    def __init__(self) -> None:
+        self.item: Optional[_Item] = None
+
+
+class CpuRuntime(Runtime):
+    """Host buffers: the current stream is the caller's thread; the comm
+    stream is one comm thread per communicator, started on first use.
+
+    ``exec_lock`` is held around every C call, inline or on the comm thread,
+    so two threads never drive the communicator at once; a synchronous call
+    made while async work is queued goes through the queue too, so it cannot
+    overtake that work.
+    """
+
+    device_type = "cpu"
+
+    def __init__(self, device: torch.device, native, name: str = "streamcoll-comm") -> None:
+        super().__init__(device, native)
+        self._null = native(None)
+        self._name = name
+        self._queue: collections.deque = collections.deque()
+        self._cond = threading.Condition(threading.Lock())
+        self.exec_lock = threading.Lock()
+        self._pending = 0
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+        self.running: Optional[_Item] = None
+
+    def current_key(self):
+        return threading.get_ident()
+
+    def current_handle(self):
+        return self._null
+
+    def stream_handle(self, stream):
+        return None
+
+    def new_lane(self, key) -> Lane:
+        return Lane(key, self, key, self._null, None)
+
+    def run_current(self, fn, post) -> None:
+        with self.exec_lock:
+            if not self._pending:
+                fn(self._null)
+                if post is not None:
+                    post()
+                return
+        # Async work is queued: go behind it, so issue order is kept.
+        item = _Item(fn, post, None)
+        self._enqueue(item)
+        self._wait_item(item, None)
+        if item.exc is not None:
+            raise item.exc
+
+    def run_on(self, stream, fn, post) -> None:
+        self.run_current(fn, post)  # the host has one stream: the thread
+
+    def submit(self, lane: Lane, fn, post, keep) -> _Item:
+        item = _Item(fn, post, keep)
+        self._enqueue(item)
+        return item
+
+    def _enqueue(self, item: _Item) -> None:
+        with self._cond:
+            if self._closed:
+                from .errors import CommunicatorError
+                raise CommunicatorError("the communicator's comm thread has been stopped")
+            self._queue.append(item)
+            self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _loop(self) -> None:
+        q = self._queue
+        cond = self._cond
+        while True:
+            with cond:
+                while not q:
+                    if self._closed:
+                        return
+                    cond.wait()
+                item = q.popleft()
+            self.running = item
+            try:
+                with self.exec_lock:
+                    item.fn(self._null)
+                    if item.post is not None:
+                        item.post()
+            except BaseException as e:  # delivered to whoever waits on the item
+                item.exc = e
+            self.running = None
+            item.keep = None  # host memory is free to reuse once the call returned
+            with cond:
+                item.done = True
+                self._pending -= 1
+                cbs = item.callbacks
+                cond.notify_all()
+            if cbs:
+                for cb in cbs:
+                    cb()
+
+    def _wait_item(self, item: _Item, timeout: Optional[float]) -> bool:
+        if item.done:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not item.done:
+                if deadline is None:
+                    self._cond.wait()
+                else:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+        return True
+
+    def completion_event(self, lane: Lane, token: _Item) -> CpuEvent:
+        ev = lane.pool.pop() if lane.pool else None
+        if ev is None:
+            ev = CpuEvent()
+            lane.created += 1
+        ev.item = token
+        return ev
+
+    def release_event(self, lane: Lane, event: CpuEvent) -> None:
+        event.item = None
+        lane.pool.append(event)
+
+    def query(self, event: CpuEvent) -> bool:
+        return event.item is None or event.item.done
+
+    def error(self, event: CpuEvent):
+        return None if event.item is None else event.item.exc
+
+    def wait_current(self, event: CpuEvent, timeout):
+        return event.item is None or self._wait_item(event.item, timeout)
+
+    synchronize = wait_current
+
+    def on_complete(self, event: CpuEvent, cb: Callable[[], None]) -> None:
+        """Run ``cb`` once the work behind ``event`` completed (maybe now)."""
+        item = event.item
+        with self._cond:
+            if item is not None and not item.done:
+                if item.callbacks is None:
+                    item.callbacks = []
+                item.callbacks.append(cb)
+                return
+        cb()
+
+    def keep_alive(self, tensors, lane) -> None:
+        # Host memory has no stream-ordered allocator: the queued item holds
+        # the tensors until the C call returned, in either mode.
+        pass
+
+    def pending(self) -> int:
+        return self._pending
+
+    def close(self, timeout: Optional[float] = None) -> bool:
+        """Stop the comm thread after the queued work; False if it did not
+        finish within ``timeout``."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
+            return not t.is_alive()
+        return True
+
+
+# --------------------------------------------------------------- CUDA ----
+class _TorchGpuRuntime(Runtime):
+    """Shared by CUDA and XPU: torch streams and events."""
+
+    mod: Any = None  # torch.cuda or torch.xpu
+
+    def __init__(self, device: torch.device, native) -> None:
+        super().__init__(device, native)
+        self.index = device.index if device.index is not None else self.mod.current_device()
+
+    def new_lane(self, key) -> Lane:
+        mod = self.mod
+        current = mod.current_stream(self.index)
+        stream = mod.Stream(device=self.index)
+        ready = mod.Event()
+        return Lane(key, stream, current, self.native(self.stream_handle(stream)), ready)
+
+    def submit(self, lane: Lane, fn, post, keep) -> None:
+        # Inputs ready: the comm stream waits for everything queued on the
+        # caller's stream so far (record-then-wait, like torch's wait_stream).
+        lane.ready.record(lane.current)
+        lane.stream.wait_event(lane.ready)
+        fn(lane.handle)
+        if post is not None:
+            with self.mod.stream(lane.stream):
+                post()
+
+    def completion_event(self, lane: Lane, token=None):
+        ev = lane.pool.pop() if lane.pool else None
+        if ev is None:
+            ev = self.mod.Event()
+            lane.created += 1
+        ev.record(lane.stream)
+        return ev
+
+    def query(self, event) -> bool:
+        return event.query()
+
+    def wait_current(self, event, timeout) -> bool:
+        self.mod.current_stream(self.index).wait_event(event)
+        return True
+
+
+class CudaRuntime(_TorchGpuRuntime):
+    device_type = "cuda"
+    mod = torch.cuda
+
+    def __init__(self, device: torch.device, native) -> None:
+        super().__init__(device, native)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        idx = self.index
+        if raw is not None:
+            # The cudaStream_t of the current stream without building a
+            # torch.cuda.Stream object (what torch's own launchers use). The
+            # legacy default stream is handle 0, which NCCL takes as is.
+            self.current_key = lambda: raw(idx)  # type: ignore[assignment]
+
+    def current_key(self):
+        return torch.cuda.current_stream(self.index).cuda_stream
+
+    def current_handle(self):
+        return self.native(self.current_key())
+
+    def stream_handle(self, stream) -> int:
+        return stream.cuda_stream
+
+    def is_capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+
+class XpuRuntime(_TorchGpuRuntime):
+    device_type = "xpu"
+    mod = getattr(torch, "xpu", None)
+
+    def current_key(self):
+        return self.mod.current_stream(self.index).sycl_queue
+
+    def current_handle(self):
+        return self.native(self.current_key())
+
+    def stream_handle(self, stream) -> int:
+        return stream.sycl_queue
+
+
+def runtime_for(device: torch.device, native: Callable[[Any], Any]) -> Runtime:
+    """The adapter for ``device``; ``native(handle)`` turns an int stream
+    handle (None on the host) into the C argument."""
+    if device.type == "cpu":
+        return CpuRuntime(device, native)
+    if device.type == "cuda":
+        return CudaRuntime(device, native)
+    if device.type == "xpu":
+        return XpuRuntime(device, native)
+    raise ValueError(f"device: expected cpu, cuda or xpu, got {device}")

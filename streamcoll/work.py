@@ -1,0 +1,190 @@
+"""Work: the handle an ``async_op=True`` collective returns.
+
+It mirrors torch.distributed's Work: ``wait()``, ``is_completed()``,
+``is_success()``, ``exception()``, ``get_future()``, ``result()``, plus
+``synchronize()`` (block the host until the collective finished).
+
+Lifetime of the tensors (stash mode, the default): the Work keeps references
+to the collective's inputs and outputs until the caller's stream has been
+made to wait on the completion event (``wait()``), so the caching allocator
+cannot hand their memory to someone else while the comm stream still uses
+it. Works nobody waits on (an ``isend`` fire-and-forget, say) are covered by
+the :class:`Reaper`, which holds the tensors until the completion event has
+fired. On the CPU the comm thread itself holds them until the C call returned.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, List, Optional
+
+import torch
+
+from .errors import CollectiveTimeout
+
+__all__ = ["Work", "Reaper"]
+
+
+class Reaper:
+    """Holds tensors of un-waited GPU Works until their completion events fire.
+
+    One daemon thread per process, started on first use, polling every
+    ``interval`` seconds; entries are ``[event, tensors]`` lists, cleared by
+    ``Work.wait()`` when the caller's stream took over the ordering.
+    """
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval = interval
+        self._entries: List[list] = []
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+
+    def add(self, event: Any, tensors: Any) -> list:
+        entry = [event, tensors]
+        with self._lock:
+            self._entries.append(entry)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="streamcoll-reaper", daemon=True)
+                self._thread.start()
+        return entry
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def reap(self) -> int:
+        """Drop entries whose event has fired or whose Work was waited; returns how many remain."""
+        with self._lock:
+            keep = []
+            for e in self._entries:
+                if e[1] is None:
+                    continue
+                try:
+                    done = e[0].query()
+                except Exception:
+                    done = True
+                if done:
+                    e[1] = None
+                else:
+                    keep.append(e)
+            self._entries = keep
+            return len(keep)
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            if self._entries:
+                self.reap()
+
+
+REAPER = Reaper()
+
+
+class Work:
+    """Handle of one asynchronous collective (or one coalesced group)."""
+
+    __slots__ = (
+        "_comm", "_rt", "_lane", "_event", "_outputs", "_stash", "_future",
+        "_waited", "seq", "op", "__weakref__",
+    )
+
+    def __init__(self, comm, rt, lane, event, seq: int, op: str, outputs, stash) -> None:
+        self._comm = comm
+        self._rt = rt
+        self._lane = lane
+        self._event = event
+        self._outputs = outputs
+        self._stash = stash  # reaper entry (GPU stash mode) or None
+        self._future: Optional[torch.futures.Future] = None
+        self._waited = False
+        self.seq = seq
+        self.op = op
+
+    # -- torch.distributed.Work API -------------------------------------
+    def is_completed(self) -> bool:
+        """Whether the collective finished (queries the completion event; never blocks)."""
+        return self._rt.query(self._event)
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._rt.error(self._event) is None
+
+    def exception(self) -> Optional[BaseException]:
+        """The error the collective ended with, or None."""
+        return self._rt.error(self._event)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Make the caller's current stream wait for the collective.
+
+        On a GPU this does not block the host. On the CPU the current stream is
+        the calling thread, so it blocks until the collective completed.
+        ``timeout`` (seconds; default: the communicator's) bounds a host
+        block; past it the communicator is marked failed and
+        :class:`~streamcoll.CollectiveTimeout` is raised. Returns True.
+        """
+        if timeout is not None and hasattr(timeout, "total_seconds"):
+            timeout = timeout.total_seconds()
+        comm = self._comm
+        t = comm.timeout if timeout is None else timeout
+        if not self._rt.wait_current(self._event, t):
+            raise comm._timed_out(self.op, self.seq, t, self._outputs)
+        exc = self._rt.error(self._event)
+        if exc is not None:
+            raise exc
+        self._release()
+        return True
+
+    def synchronize(self, timeout: Optional[float] = None) -> None:
+        """Block the host until the collective completed (CUDA: event synchronize)."""
+        comm = self._comm
+        t = comm.timeout if timeout is None else timeout
+        if not self._rt.synchronize(self._event, t):
+            raise comm._timed_out(self.op, self.seq, t, self._outputs)
+        exc = self._rt.error(self._event)
+        if exc is not None:
+            raise exc
+        self._release()
+
+    def result(self) -> List[torch.Tensor]:
+        """The output tensors (valid once the collective completed)."""
+        return list(self._outputs)
+
+    def get_future(self) -> torch.futures.Future:
+        """A torch Future completed with the output tensors when the collective
+        has completed (set with the exception if it failed)."""
+        fut = self._future
+        if fut is None:
+            fut = self._future = torch.futures.Future()
+            self._comm._complete_future_when_done(self)
+        return fut
+
+    def _set_future(self) -> None:
+        fut = self._future
+        if fut is None or fut.done():
+            return
+        exc = self._rt.error(self._event)
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(list(self._outputs))
+
+    def _release(self) -> None:
+        self._waited = True
+        st = self._stash
+        if st is not None:
+            st[1] = None  # the caller's stream now orders any reuse
+            self._stash = None
+
+    def __del__(self) -> None:
+        # No C calls here: only hand the completion event back to its lane's
+        # pool (a GPU event may be re-recorded while pending; a later record
+        # simply supersedes it).
+        try:
+            ev = self._event
+            if ev is not None:
+                self._event = None
+                self._rt.release_event(self._lane, ev)
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        state = "completed" if self.is_completed() else "pending"
+        return f"<streamcoll.Work {self.op} seq={self.seq} {state}>"

@@ -1,0 +1,139 @@
+"""A pool of real rank processes for multi-process tests.
+
+``World(n)`` spawns ``n`` processes once (per test module, see the
+``world2``/``world3`` fixtures), each of which runs ``streamcoll.init`` over
+real oneCCL with a free loopback port. ``world.run(fn, *args)`` executes the
+module-level function ``fn(comm, *args)`` on every rank and returns the
+per-rank results; an exception on any rank is re-raised in the parent with the
+child's traceback. Every call has a timeout: a hang fails in seconds and the
+world is torn down (the next test gets a fresh one).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+LOOPBACK_ENV = {
+    "MASTER_ADDR": "127.0.0.1",
+    "CCL_KVS_IFACE": "lo",
+    "NCCL_SOCKET_IFNAME": "lo",
+    "OMP_NUM_THREADS": "1",
+}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ChildError(AssertionError):
+    """An exception raised on a rank, with its traceback."""
+
+
+def _worker(rank: int, size: int, port: int, conn, env: Dict[str, str], init_kwargs: Dict[str, Any]) -> None:
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(size), "MASTER_PORT": str(port)})
+    comm = None
+    try:
+        import streamcoll
+        if init_kwargs is not None:
+            comm = streamcoll.init(**init_kwargs)
+        conn.send(("ok", None))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            res = fn(comm, *args, **kwargs)
+            conn.send(("ok", res))
+        except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+            conn.send(("error", f"{type(e).__name__}: {e}\n" + traceback.format_exc()))
+    try:
+        if comm is not None:
+            streamcoll.destroy()
+    except Exception:
+        pass
+    os._exit(0)
+
+
+class World:
+    def __init__(self, size: int, timeout: float = 60.0, env: Optional[Dict[str, str]] = None,
+                 init_kwargs: Optional[Dict[str, Any]] = None) -> None:
+        self.size = size
+        self.timeout = timeout
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        e = dict(LOOPBACK_ENV)
+        e.update(env or {})
+        self.conns = []
+        self.procs = []
+        kw = {} if init_kwargs is None else init_kwargs
+        for r in range(size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(r, size, port, child, e, kw), daemon=True)
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+        self._collect(timeout, "init")
+
+    def _collect(self, timeout: float, what: str) -> List[Any]:
+        deadline = time.monotonic() + timeout
+        results: List[Any] = [None] * self.size
+        errors = []
+        for r, c in enumerate(self.conns):
+            left = deadline - time.monotonic()
+            if left <= 0 or not c.poll(left):
+                self.close(kill=True)
+                raise TimeoutError(f"{what}: rank {r} did not answer within {timeout:g} s (hang?)")
+            try:
+                status, val = c.recv()
+            except EOFError:
+                self.close(kill=True)
+                raise ChildError(f"{what}: rank {r} died (exit code {self.procs[r].exitcode})")
+            if status == "error":
+                errors.append(f"--- rank {r} ---\n{val}")
+            results[r] = val
+        if errors:
+            raise ChildError(f"{what} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+        return results
+
+    def run(self, fn: Callable, *args, timeout: Optional[float] = None, **kwargs) -> List[Any]:
+        """Run ``fn(comm, *args, **kwargs)`` on every rank; per-rank results."""
+        for c in self.conns:
+            c.send((fn, args, kwargs))
+        return self._collect(timeout or self.timeout, fn.__name__)
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self, kill: bool = False) -> None:
+        for c in self.conns:
+            try:
+                if not kill:
+                    c.send(None)
+            except Exception:
+                pass
+        for p in self.procs:
+            if kill:
+                p.kill()
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        self.conns = []
+        self.procs = []
