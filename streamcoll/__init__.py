@@ -55,8 +55,12 @@ from .errors import (
     NcclError,
     OnecclError,
 )
+from .grad_sync import GradientSync
 from .ops import PreMulSum, ReduceOp, premul_sum
+from .process_group import ProcessGroupStreamcoll, register_backend as _register_backend
 from .work import Work
+
+_register_backend()  # torch.distributed.init_process_group("streamcoll")
 
 __version__ = "0.1.0"
 
@@ -67,6 +71,7 @@ __all__ = [
     "all_reduce", "allreduce", "broadcast", "reduce", "all_gather_into_tensor", "all_gather",
     "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single", "all_to_all", "gather", "scatter",
     "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier",
+    "GradientSync", "ProcessGroupStreamcoll",
     "CollectiveError", "LibraryError", "NcclError", "OnecclError", "LibraryNotFoundError",
     "FunctionNotFoundError", "CommunicatorError", "CollectiveTimeout", "MismatchError",
 ]

@@ -123,6 +123,9 @@ class Backend:
         self.uid_type = "ncclUniqueId" if name == "nccl" else "onecclUniqueId"
         self.comm_type = "ncclComm_t" if name == "nccl" else "onecclComm_t"
         self.config_type = "ncclConfig_t" if name == "nccl" else "onecclConfig_t"
+        # oneCCL 2022.2's CommSplit ignores the key (measured: keys 2,1,0
+        # still give parent-rank order).
+        self.split_orders_by_key = name == "nccl"
 
     def lib(self):
         return self.binding.lib()

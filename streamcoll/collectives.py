@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import torch
+from torch.compiler import is_compiling as _compiling
 
 from . import bootstrap
+from . import custom_ops as _traced
 from .communicator import Communicator, P2POp
 from .ops import ReduceOp
 from .work import Work
@@ -34,7 +36,13 @@ def _g(group: Optional[Communicator]) -> Communicator:
 
 
 def all_reduce(tensor, op=_SUM, group: Optional[Communicator] = None, async_op: bool = False, *, stream=None) -> Optional[Work]:
-    """Reduce ``tensor`` in place across ranks. Returns a Work if ``async_op`` else None."""
+    """Reduce ``tensor`` in place across ranks. Returns a Work if ``async_op`` else None.
+
+    Under torch.compile this (and broadcast, reduce, all_gather_into_tensor,
+    reduce_scatter_tensor, all_to_all_single, barrier) becomes streamcoll's
+    custom ops (:mod:`streamcoll.custom_ops`); eager calls skip the dispatcher."""
+    if _compiling():
+        return _traced.all_reduce(tensor, op, group, async_op, stream)
     c = group if type(group) is Communicator else (bootstrap._DEFAULT if group is None else None)
     if c is None:
         c = _g(group)
@@ -45,14 +53,20 @@ allreduce = all_reduce
 
 
 def broadcast(tensor, src: int = 0, group=None, async_op: bool = False, *, stream=None) -> Optional[Work]:
+    if _compiling():
+        return _traced.broadcast(tensor, src, group, async_op, stream)
     return _g(group).broadcast(tensor, src, async_op, stream=stream)
 
 
 def reduce(tensor, dst: int = 0, op=_SUM, group=None, async_op: bool = False, *, stream=None) -> Optional[Work]:
+    if _compiling():
+        return _traced.reduce(tensor, dst, op, group, async_op, stream)
     return _g(group).reduce(tensor, dst, op, async_op, stream=stream)
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bool = False, *, stream=None) -> Optional[Work]:
+    if _compiling():
+        return _traced.all_gather_into_tensor(output_tensor, input_tensor, group, async_op, stream)
     return _g(group).all_gather_into_tensor(output_tensor, input_tensor, async_op, stream=stream)
 
 
@@ -61,6 +75,8 @@ def all_gather(tensor_list: List[torch.Tensor], tensor, group=None, async_op: bo
 
 
 def reduce_scatter_tensor(output, input, op=_SUM, group=None, async_op: bool = False, *, stream=None) -> Optional[Work]:
+    if _compiling():
+        return _traced.reduce_scatter_tensor(output, input, op, group, async_op, stream)
     return _g(group).reduce_scatter_tensor(output, input, op, async_op, stream=stream)
 
 
@@ -70,6 +86,8 @@ def reduce_scatter(output, input_list, op=_SUM, group=None, async_op: bool = Fal
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                       async_op: bool = False, *, stream=None) -> Optional[Work]:
+    if _compiling():
+        return _traced.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op, stream)
     return _g(group).all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op, stream=stream)
 
 
@@ -108,4 +126,6 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> List[Work]:
 
 
 def barrier(group=None, async_op: bool = False, device_ids=None) -> Optional[Work]:
+    if _compiling():
+        return _traced.barrier(group, async_op, device_ids)
     return _g(group).barrier(async_op, device_ids)

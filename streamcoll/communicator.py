@@ -30,12 +30,18 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from . import debug as _debug
+from . import flight as _flight
+from . import watchdog as _watchdog
 from .backends import Backend
 from .errors import CollectiveTimeout, CommunicatorError
 from .ops import ReduceOp, canonical_op, op_key
 from .streams import Lane, runtime_for
 from .validation import as_tensor, check_list, check_rank, check_same
 from .work import REAPER, Work
+
+_now = _flight.now_ns
+_wref = _flight.wref
 
 __all__ = ["Communicator", "P2POp"]
 
@@ -133,7 +139,25 @@ class Communicator:
 
         self._rt = runtime_for(device, native)
         self._lanes: Dict[Any, Lane] = {}
-        self._vp = lambda t: cast("void *", t.data_ptr())
+        # data_ptr -> its ``void *`` cdata. ffi.cast costs ~0.6 us a call (a
+        # third of a small all_reduce's wrapper overhead); the cdata is only an
+        # address, owning nothing, so reusing it for the same address is safe.
+        # Bounded: cleared when full.
+        ptrs: Dict[int, Any] = {}
+        self._ptrs = ptrs
+        voidp = ffi.typeof("void *")
+
+        def vp(t, _get=ptrs.get):
+            a = t.data_ptr()
+            p = _get(a)
+            if p is None:
+                if len(ptrs) >= 4096:
+                    ptrs.clear()
+                p = ptrs[a] = cast(voidp, a)
+            return p
+
+        self._vp = vp
+        self._sum_specs: Dict[torch.dtype, tuple] = {}
         # C functions, resolved once (lazily failing ones stay None).
         self._c: Dict[str, Any] = {}
         for coll, fname in backend.funcs.items():
@@ -142,6 +166,11 @@ class Communicator:
             except AttributeError:
                 self._c[coll] = None
         self._barrier_buf: Optional[torch.Tensor] = None
+        # Reliability (issue 7): flight recorder ring, debug checks, watchdog.
+        self._done_state = _flight.LAUNCHED if self._gpu else _flight.COMPLETED
+        _flight.attach(self)
+        _debug.maybe_install(self)
+        _watchdog.register(self)
         _LIVE.add(self)
 
     # ------------------------------------------------------------ properties
@@ -212,12 +241,16 @@ class Communicator:
             self._destroyed = True
             return
         t = self.timeout if timeout is None else _seconds(timeout)
+        if self._failed is not None:
+            t = 0.0  # its stuck work already failed (and was reported): do not wait for it again
         finished = self._rt.close(t)
         if self._gpu:
             for lane in list(self._lanes.values()):
                 lane.stream.synchronize()
         self._destroyed = True
         if finished is False:
+            if self._failed is not None:
+                return  # native communicator left allocated: a call still runs inside it
             exc = CollectiveTimeout("destroy", self._seq, t, [], self._rank, self._size,
                                     "queued asynchronous work did not finish; native communicator left allocated")
             self._failed = exc
@@ -247,10 +280,15 @@ class Communicator:
         self.destroy()
 
     def _timed_out(self, op: str, seq: int, timeout: float, tensors) -> CollectiveTimeout:
+        """Mark failed, dump the flight record, abort (NCCL); the error to raise."""
         shapes = [tuple(t.shape) for t in (tensors or ()) if isinstance(t, _Tensor)]
-        exc = CollectiveTimeout(op, seq, timeout, shapes, self._rank, self._size)
-        self._failed = exc
-        return exc
+        return _watchdog.handle_timeout(self, op, seq, timeout, shapes)
+
+    def dump_flight_record(self, path: Optional[str] = None) -> str:
+        """Write this rank's flight record (recent operations) as JSON; returns
+        the file. ``path``: a file or a directory (default ``STREAMCOLL_FLIGHT_DIR``).
+        Read the dumps of all ranks with ``python -m streamcoll.flight analyze DIR``."""
+        return _flight.dump(self, path, "on request")
 
     # ------------------------------------------------------------ helpers
     def _t(self, t: Any, name: str) -> torch.Tensor:
@@ -326,10 +364,23 @@ class Communicator:
             return None
         if not async_op:
             rt = self._rt
-            if stream is None:
-                rt.run_current(fn, post)
-            else:
-                rt.run_on(stream, fn, post)
+            # Flight record (layout in flight.py); a list store, no lock.
+            seq = self._seq
+            now = _now()
+            e = [seq, name, _wref(tensors[0]) if len(tensors) == 1 else tuple(map(_wref, tensors)),
+                 "sync", now, now, 0, "running", self._p2p, None, None]
+            self._ring[seq & self._ring_mask] = e
+            try:
+                if stream is None:
+                    rt.run_current(fn, post)
+                else:
+                    rt.run_on(stream, fn, post)
+            except BaseException as x:
+                e[7] = _flight.FAILED
+                e[10] = repr(x)
+                raise
+            e[6] = _now()
+            e[7] = self._done_state
             return None
         return self._launch_async(name, fn, post, tensors, outputs)
 
@@ -344,8 +395,17 @@ class Communicator:
         lane = self._lanes.get(key)
         if lane is None:
             lane = self._lanes[key] = rt.new_lane(key)
+        seq = self._seq
+        e = [seq, name, tuple(map(_wref, tensors)), "async", _now(), 0, 0, _flight.ENQUEUED, self._p2p, None, None]
+        self._ring[seq & self._ring_mask] = e
+        if not self._gpu:
+            fn = self._watched(fn, e)
         token = rt.submit(lane, fn, post, tensors)
         ev = rt.completion_event(lane, token)
+        if self._gpu:
+            e[5] = e[4]
+            e[7] = _flight.LAUNCHED
+            e[9] = ev  # the watchdog polls it
         stash = None
         if self._gpu:
             if self.record_stream:
@@ -353,6 +413,26 @@ class Communicator:
             else:
                 stash = REAPER.add(ev, tensors)
         return Work(self, rt, lane, ev, self._seq, name, outputs, stash)
+
+    def _watched(self, fn, e: list):
+        """``fn`` for the CPU comm thread, recording start, end and state in
+        flight entry ``e`` (what the watchdog looks at)."""
+        def run(h):
+            e[5] = _now()
+            e[7] = _flight.RUNNING
+            self._inflight_async = e
+            try:
+                fn(h)
+            except BaseException as x:
+                e[7] = _flight.FAILED
+                e[10] = repr(x)
+                raise
+            finally:
+                self._inflight_async = None
+            e[6] = _now()
+            e[7] = _flight.COMPLETED
+
+        return run
 
     def _complete_future_when_done(self, work: Work) -> None:
         rt = self._rt
@@ -423,17 +503,26 @@ class Communicator:
             t = tensor
         else:
             t = self._t(tensor, "tensor")
-        d = self._dtypes.get(t.dtype)
+        dtype = t.dtype
+        d = self._dtypes.get(dtype)
         if d is None:
             d = self._dt(t, "all_reduce")
-        spec = self._op_cache.get((op, t.dtype)) if op.__hash__ is not None else None
-        if spec is None:
-            spec = self._op(op, t.dtype, "all_reduce")
+        if op is _SUM:  # skips hashing the key (Enum.__hash__ is Python code)
+            spec = self._sum_specs.get(dtype)
+            if spec is None:
+                spec = self._sum_specs[dtype] = self._op(op, dtype, "all_reduce")
+        else:
+            spec = self._op_cache.get((op, dtype)) if op.__hash__ is not None else None
+            if spec is None:
+                spec = self._op(op, dtype, "all_reduce")
         red = spec[0]
         n = t.numel()
         f = self._c["all_reduce"]
         comm = self._handle
-        ptr = self._vp(t)
+        a = t.data_ptr()
+        ptr = self._ptrs.get(a)
+        if ptr is None:
+            ptr = self._vp(t)
         if spec[1] is None:
             post = None
         else:
@@ -714,8 +803,26 @@ class Communicator:
             if gather_list:
                 raise ValueError(f"gather_list: expected None or [] on non-destination rank {me} (dst is {dst})")
             outs = []
-        vp = self._vp
         n = t.numel()
+        f = self._c.get("gather")
+        if f is not None:  # NCCL >= 2.28: one native call into a flat buffer on the root
+            flat = torch.empty(n * self._size, dtype=t.dtype, device=t.device) if me == dst else t
+            comm, ip, fp = self._handle, self._vp(t), self._vp(flat)
+
+            def fn(h):
+                rc = f(ip, fp, n, d, dst, comm, h)
+                if rc:
+                    raise self._err("gather", rc)
+
+            def post():
+                for i, o in enumerate(outs):
+                    o.view(-1).copy_(flat[i * n:(i + 1) * n])
+
+            return self._launch("gather", fn, post if me == dst else None, (t, flat, *outs), tuple(outs),
+                                async_op, stream)
+        # oneCCL has no Gather: Send/Recv in one group (a oneCCL log line
+        # "not completed event is destroyed" may appear; results are complete).
+        vp = self._vp
         sends = [] if me == dst or not n else [(vp(t), n, dst)]
         recvs = [(vp(o), n, p) for p, o in enumerate(outs) if p != me and n]
         fn = self._p2p_group(sends, recvs, d)
@@ -740,6 +847,17 @@ class Communicator:
             if scatter_list:
                 raise ValueError(f"scatter_list: expected None or [] on non-source rank {me} (src is {src})")
             ins = []
+        f = self._c.get("scatter")
+        if f is not None:  # oneCCL, NCCL >= 2.28: one native call from a flat buffer on the root
+            flat = torch.cat([x.reshape(-1) for x in ins]) if me == src else t
+            comm, fp, tp = self._handle, self._vp(flat), self._vp(t)
+
+            def fn(h):
+                rc = f(fp, tp, n, d, src, comm, h)
+                if rc:
+                    raise self._err("scatter", rc)
+
+            return self._launch("scatter", fn, None, (t, flat), (t,), async_op, stream)
         vp = self._vp
         sends = [(vp(x), n, p) for p, x in enumerate(ins) if p != me and n]
         recvs = [] if me == src or not n else [(vp(t), n, src)]
@@ -758,6 +876,7 @@ class Communicator:
 
     def _p2p_fn(self, kind: str, t, peer: int, d):
         f, comm, p, n = self._c[kind], self._handle, self._vp(t), t.numel()
+        self._p2p += 1  # flight record: collectives are aligned across ranks without p2p ops
 
         def fn(h):
             rc = f(p, n, d, peer, comm, h)
@@ -836,6 +955,7 @@ class Communicator:
             if rc:
                 raise self._err("group_end", rc)
 
+        self._p2p += 1
         return [self._launch("batch_isend_irecv", fn, None, tuple(keep), tuple(keep), True, None)]
 
     def barrier(self, async_op: bool = False, device_ids=None) -> Optional[Work]:
@@ -870,11 +990,25 @@ class Communicator:
         self.all_gather_into_tensor(allv, mine)
         pairs = allv.view(self._size, 2).cpu().tolist()
         self._seq += 1
-        newh = self._backend.split(self._handle, c, int(key))
+        # Every rank now knows every (color, key): the new ranks are computed
+        # here, and the library is given each rank's new index as its key
+        # (same order; oneCCL rejects negative keys, torch/NCCL allow them).
+        members = sorted((k, r) for r, (cc, k) in enumerate(pairs) if cc == c) if c >= 0 else []
+        if not self._backend.split_orders_by_key:
+            # oneCCL 2022.2 ignores the key and orders by parent rank. Every
+            # rank sees every pair, so all of them raise here, together.
+            for cc in {cc for cc, _ in pairs if cc >= 0}:
+                by_key = [r for _, r in sorted((k, r) for r, (c2, k) in enumerate(pairs) if c2 == cc)]
+                if by_key != sorted(by_key):
+                    raise ValueError(
+                        f"key: backend {self.backend!r} orders split communicators by parent rank and "
+                        f"ignores keys; the keys given for color {cc} would order ranks {by_key}. "
+                        "Pass keys in parent-rank order (or equal keys)."
+                    )
+        new_rank = [r for _, r in members].index(self._rank) if c >= 0 else 0
+        newh = self._backend.split(self._handle, c, new_rank)
         if c < 0:
             return None
-        members = sorted((k, r) for r, (cc, k) in enumerate(pairs) if cc == c)
-        new_rank = [r for _, r in members].index(self._rank)
         return Communicator(
             self._backend, self._device, newh, new_rank, len(members),
             self.timeout if timeout is None else timeout, self.record_stream, self._store,

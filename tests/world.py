@@ -37,6 +37,9 @@ class ChildError(AssertionError):
 
 
 def _worker(rank: int, size: int, port: int, conn, env: Dict[str, str], init_kwargs: Dict[str, Any]) -> None:
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks on a hang
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(size), "MASTER_PORT": str(port)})
@@ -91,24 +94,37 @@ class World:
         self._collect(timeout, "init")
 
     def _collect(self, timeout: float, what: str) -> List[Any]:
+        from multiprocessing.connection import wait as mp_wait
         deadline = time.monotonic() + timeout
         results: List[Any] = [None] * self.size
-        errors = []
-        for r, c in enumerate(self.conns):
+        errors: Dict[int, str] = {}
+        waiting = dict(enumerate(self.conns))
+        while waiting:
             left = deadline - time.monotonic()
-            if left <= 0 or not c.poll(left):
+            ready = mp_wait(list(waiting.values()), timeout=max(left, 0)) if left > 0 else []
+            if not ready:
+                stuck = sorted(waiting)
+                self.dump_stacks()
                 self.close(kill=True)
-                raise TimeoutError(f"{what}: rank {r} did not answer within {timeout:g} s (hang?)")
-            try:
-                status, val = c.recv()
-            except EOFError:
-                self.close(kill=True)
-                raise ChildError(f"{what}: rank {r} died (exit code {self.procs[r].exitcode})")
-            if status == "error":
-                errors.append(f"--- rank {r} ---\n{val}")
-            results[r] = val
+                msg = f"{what}: rank(s) {stuck} did not answer within {timeout:g} s (hang?)"
+                if errors:
+                    msg += "; meanwhile other ranks failed:\n" + "\n".join(
+                        f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+                raise TimeoutError(msg)
+            for c in ready:
+                r = self.conns.index(c)
+                del waiting[r]
+                try:
+                    status, val = c.recv()
+                except EOFError:
+                    self.close(kill=True)
+                    raise ChildError(f"{what}: rank {r} died (exit code {self.procs[r].exitcode})")
+                if status == "error":
+                    errors[r] = val
+                results[r] = val
         if errors:
-            raise ChildError(f"{what} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+            raise ChildError(f"{what} failed on {len(errors)} rank(s):\n" + "\n".join(
+                f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items())))
         return results
 
     def run(self, fn: Callable, *args, timeout: Optional[float] = None, **kwargs) -> List[Any]:
@@ -116,6 +132,16 @@ class World:
         for c in self.conns:
             c.send((fn, args, kwargs))
         return self._collect(timeout or self.timeout, fn.__name__)
+
+    def dump_stacks(self) -> None:
+        """Make every rank print its Python stacks to stderr (on a hang)."""
+        import signal
+        for p in self.procs:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except OSError:
+                pass
+        time.sleep(1.0)
 
     @property
     def alive(self) -> bool:

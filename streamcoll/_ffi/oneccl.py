@@ -7,12 +7,14 @@ buffers, NULL for host buffers (then the call returns after completion).
 Library search order (first that loads and exports ``onecclGetVersion``):
 
 1. ``$STREAMCOLL_ONECCL_LIBRARY``: a path to ``libccl.so.2`` or its folder.
-2. Python wheels: ``<prefix>/lib/libccl.so.2`` of this interpreter's
+2. A ``libccl.so.2`` already mapped into this process (by another binding,
+   e.g. a torch build with oneCCL): sharing it avoids two oneCCLs in one process.
+3. Python wheels: ``<prefix>/lib/libccl.so.2`` of this interpreter's
    prefixes (the ``oneccl`` wheel installs its libraries there).
-3. An installed oneAPI: ``$CCL_ROOT/lib``, then ``/opt/intel/oneapi/ccl/latest/lib``.
-4. The runtime streamcoll's set-up assembles (``scripts/setup.sh``):
+4. An installed oneAPI: ``$CCL_ROOT/lib``, then ``/opt/intel/oneapi/ccl/latest/lib``.
+5. The runtime streamcoll's set-up assembles (``scripts/setup.sh``):
    ``$STREAMCOLL_HOME/oneccl/lib`` (default ``~/.cache/streamcoll/oneccl/lib``).
-5. The system loader: ``libccl.so.2`` by name (``LD_LIBRARY_PATH``, ldconfig).
+6. The system loader: ``libccl.so.2`` by name (``LD_LIBRARY_PATH``, ldconfig).
 
 On the CPU the C API front dispatches to the plugin ``libccl_legacy_cpu.so``,
 which needs ``libccl.so.1`` from the ``oneccl-cpu`` wheel beside it, and the

@@ -1,0 +1,59 @@
+"""The sweep's PNG: for every collective, latency (left) and busbw (right)
+against message size, one line per library (matplotlib, Agg backend: no
+display needed)."""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+__all__ = ["plot"]
+
+_STYLE = {"streamcoll": dict(color="tab:blue", marker="o"),
+          "raw": dict(color="tab:gray", marker=".", linestyle="--"),
+          "torch": dict(color="tab:red", marker="s")}
+
+
+def plot(doc: Dict[str, Any], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["rows"]
+    meta = doc["meta"]
+    groups: Dict[tuple, list] = {}
+    for r in rows:
+        groups.setdefault(r["collective"], []).append(r)
+    colls = list(groups)
+    fig, axes = plt.subplots(len(colls), 2, figsize=(10, 2.6 * len(colls) + 0.6), squeeze=False)
+    base = meta.get("baseline", "torch")
+    for i, c in enumerate(colls):
+        ax_t, ax_b = axes[i]
+        variants = sorted({(r["dtype"], r["async_op"]) for r in groups[c]})
+        for dt, asy in variants:
+            rs = sorted((r for r in groups[c] if r["dtype"] == dt and r["async_op"] == asy), key=lambda r: r["bytes"])
+            suffix = "" if len(variants) == 1 else f" {dt}{' async' if asy else ''}"
+            for lib in ("streamcoll", "raw", "torch"):
+                pts = [(r["bytes"], r["libs"][lib]) for r in rs if lib in r["libs"]]
+                if not pts:
+                    continue
+                label = (f"torch.distributed ({base})" if lib == "torch" else
+                         "raw C call" if lib == "raw" else "streamcoll") + suffix
+                x = [p[0] for p in pts]
+                ax_t.plot(x, [p[1]["time_us"]["median"] for p in pts], label=label, **_STYLE[lib])
+                ax_b.plot(x, [p[1]["busbw"] for p in pts], label=label, **_STYLE[lib])
+        for ax in (ax_t, ax_b):
+            ax.set_xscale("log", base=2)
+            ax.grid(True, which="both", alpha=0.3)
+        ax_t.set_yscale("log")
+        ax_t.set_ylabel(f"{c}\ntime per call (us)")
+        ax_b.set_ylabel("busbw (GB/s)")
+        if i == 0:
+            ax_b.legend(fontsize=8, loc="upper left")
+        if i == len(colls) - 1:
+            ax_t.set_xlabel("message size (bytes)")
+            ax_b.set_xlabel("message size (bytes)")
+    m = meta.get("machine", {})
+    fig.suptitle(f"streamcoll vs torch.distributed ({base}), {meta.get('world_size')} ranks, "
+                 f"{m.get('cpu', '')} x{m.get('nproc', '')}, load {m.get('loadavg_before')}", fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.savefig(path, dpi=72)
+    plt.close(fig)

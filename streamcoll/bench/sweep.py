@@ -1,0 +1,398 @@
+"""nccl-tests-style sweep: message sizes x collectives, streamcoll side by
+side with the raw C call through its binding and with torch.distributed
+(gloo on the CPU, nccl on CUDA), all measured in the same processes.
+
+Launch with torchrun (``benchmarks/sweep.sh`` picks a free port and sets the
+loopback variables)::
+
+    python -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 \\
+        --master-port 29511 -m streamcoll.bench --max-bytes 64M --out benchmarks/results/sweep
+
+torch.distributed is initialised first (``env://``) and streamcoll's default
+communicator reuses its store, so both libraries live in every rank process.
+
+How a row is measured (one collective, one size): a few untimed warm-up
+calls per library, then ``iters`` timed calls split into batches; batches of
+the libraries are interleaved (streamcoll, raw, torch, streamcoll, ...) so
+that a noisy moment hits all of them. Before each batch the buffers are
+refilled and the ranks synchronised by one tiny collective of the same
+library; the batch's per-call time is averaged over ranks (as nccl-tests
+averages its ranks' times). Reported: min/median/max over batches, algbw and
+busbw from the median (definitions in :mod:`streamcoll.bench.metrics`), the
+ratios, and the check of the last batch's results (closed forms, see
+:mod:`streamcoll.bench.cases`). A failed check makes the exit status 1;
+timings never do.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+from .cases import CASES, Context, batches, make_case
+from .machine import describe, loadavg, summary_line
+from .metrics import bus_factor, fmt_bytes, ratio, summarise
+
+__all__ = ["main", "parse_size", "sizes"]
+
+LOOPBACK = {"MASTER_ADDR": "127.0.0.1", "CCL_KVS_IFACE": "lo", "NCCL_SOCKET_IFNAME": "lo",
+            "GLOO_SOCKET_IFNAME": "lo"}
+LIBS = ("streamcoll", "raw", "torch")
+DEFAULT_COLLECTIVES = tuple(CASES)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30}
+
+
+def parse_size(s: str) -> int:
+    """'4', '64K', '256M', '1G' -> bytes (binary units, as nccl-tests' -b/-e)."""
+    t = str(s).strip().upper()
+    i = len(t)
+    while i and not t[i - 1].isdigit():
+        i -= 1
+    num, unit = t[:i], t[i:]
+    if not num or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size like 4, 64K, 256M, 1G; got {s!r}")
+    v = int(num) * _UNITS[unit]
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {s!r}")
+    return v
+
+
+def sizes(min_bytes: int, max_bytes: int, factor: int) -> List[int]:
+    if factor < 2:
+        raise ValueError(f"factor: expected an integer >= 2, got {factor}")
+    out, s = [], min_bytes
+    while s <= max_bytes:
+        out.append(s)
+        s *= factor
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m streamcoll.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--collectives", default=",".join(DEFAULT_COLLECTIVES),
+                   help=f"comma-separated subset of {','.join(DEFAULT_COLLECTIVES)} (default: all)")
+    p.add_argument("--min-bytes", "-b", type=parse_size, default=4, help="smallest message (default 4)")
+    p.add_argument("--max-bytes", "-e", type=parse_size, default=256 << 20, help="largest message (default 256M)")
+    p.add_argument("--factor", "-f", type=int, default=4, help="size step factor (default 4)")
+    p.add_argument("--dtype", default="float32", help="comma-separated dtypes (default float32)")
+    p.add_argument("--async-op", choices=("false", "true", "both"), default="false",
+                   help="async_op=True runs call + wait() (default false)")
+    p.add_argument("--device", default="cpu", help="cpu (oneCCL vs gloo) or cuda (NCCL vs nccl)")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per row (default: scaled by size)")
+    p.add_argument("--min-iters", type=int, default=5)
+    p.add_argument("--max-iters", type=int, default=200)
+    p.add_argument("--iter-bytes", type=parse_size, default=256 << 20,
+                   help="default iters = iter-bytes / size, clamped to [min-iters, max-iters]")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls per library and row (default 5, 1 from 16M)")
+    p.add_argument("--reps", type=int, default=5, help="batches per row to take min/median/max over (default 5)")
+    p.add_argument("--no-baseline", action="store_true", help="skip torch.distributed")
+    p.add_argument("--no-raw", action="store_true", help="skip the raw C call column")
+    p.add_argument("--noise-threshold", type=float, default=1.5, help="warn when a row's max/min exceeds this")
+    p.add_argument("--json", help="write the results here (JSON)")
+    p.add_argument("--plot", help="write a PNG plot here (busbw and latency vs size)")
+    p.add_argument("--table", help="write the printed table here")
+    p.add_argument("--out", help="prefix for --json/--plot/--table: PREFIX.json, PREFIX.png, PREFIX.txt")
+    p.add_argument("--inject-error", action="store_true",
+                   help="testing aid: corrupt streamcoll's result on rank 0 before each check, "
+                        "to show the checks run (the run then exits 1)")
+    a = p.parse_args(argv)
+    a.collectives = [c.strip() for c in a.collectives.split(",") if c.strip()]
+    for c in a.collectives:
+        if c not in CASES:
+            p.error(f"--collectives: unknown {c!r} (choose from {', '.join(CASES)})")
+    a.dtypes = [d.strip() for d in a.dtype.split(",") if d.strip()]
+    a.asyncs = {"false": [False], "true": [True], "both": [False, True]}[a.async_op]
+    if a.min_bytes > a.max_bytes:
+        p.error("--min-bytes is larger than --max-bytes")
+    if a.out:
+        a.json = a.json or a.out + ".json"
+        a.plot = a.plot or a.out + ".png"
+        a.table = a.table or a.out + ".txt"
+    return a
+
+
+def iters_for(nbytes: int, a) -> int:
+    if a.iters:
+        return a.iters
+    return max(a.min_iters, min(a.max_iters, a.iter_bytes // max(nbytes, 1)))
+
+
+class Out:
+    """Rank 0's printed lines, kept for --table."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.lines: List[str] = []
+
+    def __call__(self, s: str = "") -> None:
+        if self.rank == 0:
+            print(s, flush=True)
+            self.lines.append(s)
+
+
+def _header(coll: str, dtype: str, n: int, async_op: bool, tlabel: str, raw: bool, baseline: bool) -> List[str]:
+    h1 = f"# {coll}  dtype={dtype}  ranks={n}  async_op={async_op}  busbw factor={bus_factor(coll, n):.3g}"
+    cols = f"{'size':>9s} {'count':>10s} | {'streamcoll us':>13s} {'algbw':>7s} {'busbw':>7s}"
+    if raw:
+        cols += f" | {'raw us':>9s} {'sc/raw':>6s}"
+    if baseline:
+        cols += f" | {tlabel + ' us':>12s} {'algbw':>7s} {'busbw':>7s} {'speedup':>7s}"
+    cols += " | check"
+    return [h1, cols]
+
+
+def _fmt_row(r: Dict[str, Any], raw: bool, baseline: bool) -> str:
+    sc = r["libs"]["streamcoll"]
+    s = f"{fmt_bytes(r['bytes']):>9s} {r['count']:>10d} | {sc['time_us']['median']:13.1f} {sc['algbw']:7.3f} {sc['busbw']:7.3f}"
+    if raw:
+        rw = r["libs"].get("raw")
+        if rw:
+            s += f" | {rw['time_us']['median']:9.1f} {r['streamcoll_over_raw']:6.3f}"
+        else:
+            s += f" | {'-':>9s} {'-':>6s}"
+    if baseline:
+        td = r["libs"].get("torch")
+        if td:
+            s += f" | {td['time_us']['median']:12.1f} {td['algbw']:7.3f} {td['busbw']:7.3f} {r['speedup_vs_torch']:6.1f}x"
+        else:
+            s += f" | {r.get('torch_error', 'n/a')[:40]:>37s}"
+    checks = r["check"]
+    s += " | " + ("ok" if all(v == "ok" for v in checks.values()) else
+                  ",".join(f"{k}:{'ok' if v == 'ok' else 'FAIL'}" for k, v in checks.items()))
+    noisy = [k for k, v in r["libs"].items() if v["noisy"]]
+    if noisy:
+        s += "  ~noisy"
+    return s
+
+
+def run_row(ctx: Context, coll: str, nbytes: int, a, devsync, tiny: Dict[str, Any]) -> Dict[str, Any]:
+    """Measure one row on every rank; returns the (rank-averaged) record."""
+    import torch
+    import torch.distributed as dist
+    case = make_case(coll, ctx, nbytes)
+    runners: Dict[str, Any] = {"streamcoll": case.streamcoll()}
+    if not a.no_raw:
+        r = case.raw()
+        if r is not None:
+            runners["raw"] = r
+    if not a.no_baseline:
+        runners["torch"] = case.torch()
+    iters = iters_for(case.nbytes, a)
+    bs, nb = batches(iters, case.cap, a.reps)
+    warm = a.warmup if a.warmup is not None else (5 if case.nbytes < (16 << 20) else 1)
+    if case.cap is not None:
+        warm = min(warm, case.cap)
+    torch_error: Optional[str] = None
+    for lib in list(runners):
+        case.fill()
+        devsync()
+        try:
+            tiny[lib]()
+            for _ in range(warm):
+                runners[lib]()
+            devsync()
+        except Exception as e:
+            if lib != "torch":
+                raise
+            # Unsupported by the baseline (a dtype gloo lacks, say): both ranks
+            # fail the same way before communicating; the row goes on without it.
+            torch_error = f"{type(e).__name__}: {e}".splitlines()[0]
+            del runners[lib]
+    libs = list(runners)
+    times: Dict[str, List[float]] = {k: [] for k in libs}
+    checks: Dict[str, Optional[str]] = {}
+    pc = time.perf_counter
+    for b in range(nb):
+        for lib in libs:
+            fn = runners[lib]
+            case.fill()
+            devsync()
+            tiny[lib]()
+            t0 = pc()
+            for _ in range(bs):
+                fn()
+            devsync()
+            times[lib].append((pc() - t0) / bs)
+            if b == nb - 1:
+                if a.inject_error and lib == "streamcoll" and ctx.rank == 0:
+                    case.corrupt()
+                checks[lib] = case.check(bs)
+    # Average over ranks (nccl-tests reports the ranks' average time); agree on checks.
+    n = ctx.n
+    T = torch.tensor([times[k] for k in libs], dtype=torch.float64)
+    dist.all_reduce(T)
+    T /= n
+    ok = torch.tensor([1 if checks[k] is None else 0 for k in libs], dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    problems: List[str] = []
+    if int(ok.min()) == 0:
+        gathered: List[Any] = [None] * n
+        dist.all_gather_object(gathered, {k: v for k, v in checks.items() if v is not None})
+        for g in gathered:
+            problems += [f"{k}: {v}" for k, v in (g or {}).items()]
+    rec: Dict[str, Any] = {
+        "collective": coll, "bytes": case.nbytes, "count": case.count, "dtype": str(ctx.dtype).replace("torch.", ""),
+        "world_size": n, "async_op": ctx.async_op, "iters": bs * nb, "batches": nb, "calls_per_batch": bs,
+        "warmup": warm, "libs": {},
+        "check": {k: ("ok" if ok[i] else "FAIL") for i, k in enumerate(libs)},
+    }
+    if problems:
+        rec["check_errors"] = problems
+    for i, k in enumerate(libs):
+        rec["libs"][k] = summarise(coll, case.nbytes, n, T[i].tolist(), a.noise_threshold)
+    t_sc = rec["libs"]["streamcoll"]["time_us"]["median"]
+    if "raw" in rec["libs"]:
+        rec["streamcoll_over_raw"] = ratio(t_sc, rec["libs"]["raw"]["time_us"]["median"])
+    if "torch" in rec["libs"]:
+        rec["speedup_vs_torch"] = ratio(rec["libs"]["torch"]["time_us"]["median"], t_sc)
+    if torch_error:
+        rec["torch_error"] = torch_error
+    del case
+    return rec
+
+
+def targets(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The issue's two-rank targets, evaluated on float32 all_reduce rows
+    (async_op=False) where the run has them."""
+    ar = [r for r in rows if r["collective"] == "all_reduce" and not r["async_op"] and r["dtype"] == "float32"]
+    out: Dict[str, Any] = {}
+    if not ar:
+        return out
+    small = min(ar, key=lambda r: r["bytes"])
+    if "torch" in small["libs"]:
+        v = small["libs"]["streamcoll"]["time_us"]["median"] / small["libs"]["torch"]["time_us"]["median"]
+        out["small-message latency streamcoll/torch"] = {"bytes": small["bytes"], "value": v, "target": "<= 0.1",
+                                                         "met": v <= 0.1}
+    big = [r for r in ar if r["bytes"] == 64 << 20]
+    if big and "torch" in big[0]["libs"]:
+        v = big[0]["libs"]["streamcoll"]["busbw"] / big[0]["libs"]["torch"]["busbw"]
+        out["busbw at 64M streamcoll/torch"] = {"bytes": 64 << 20, "value": v, "target": ">= 5", "met": v >= 5}
+    large = [r for r in ar if r["bytes"] >= 1 << 20 and "streamcoll_over_raw" in r]
+    if large:
+        worst = max(large, key=lambda r: r["streamcoll_over_raw"])
+        v = worst["streamcoll_over_raw"]
+        out["streamcoll/raw time at >= 1M (worst row)"] = {"bytes": worst["bytes"], "value": v, "target": "<= 1.05",
+                                                         "met": v <= 1.05}
+    return out
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    for k, v in LOOPBACK.items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+    import streamcoll
+    load0 = loadavg()
+    cuda = a.device.startswith("cuda")
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+        devsync = torch.cuda.synchronize
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+        devsync = lambda: None  # noqa: E731
+    comm = streamcoll.init(device=device)
+    rank, n = comm.rank, comm.size
+    if n < 2:
+        print("streamcoll.bench: the sweep needs at least 2 ranks (torchrun --nproc-per-node 2); "
+              "for one rank use python -m streamcoll.bench.overhead", file=sys.stderr)
+        return 2
+    tlabel = "nccl" if cuda else "gloo"
+    out = Out(rank)
+    mach = describe(a.device)
+    mach["loadavg_before"] = load0
+    out(f"# streamcoll.bench sweep: {n} ranks, {summary_line(mach)}")
+    out(f"# streamcoll vs raw {comm.backend} C call (same binding) vs torch.distributed ({tlabel}); "
+        f"times: median per-call us over batches; algbw/busbw: GB/s (nccl-tests definitions)")
+    out(f"# env: " + " ".join(f"{k}={v}" for k, v in mach["env"].items() if k.startswith(("CCL_", "FI_"))))
+
+    # One-element per-library sync collectives that start every timed batch.
+    def _tiny():
+        sc_t = torch.zeros(1, device=device)
+        td_t = torch.zeros(1, device=device)
+        ctx1 = Context(comm, rank, n, device, torch.float32, False)
+        ar1 = make_case("all_reduce", ctx1, 4)
+        raw1 = ar1.raw()
+        d = {"streamcoll": lambda: streamcoll.all_reduce(sc_t), "torch": lambda: dist.all_reduce(td_t)}
+        if raw1 is not None:
+            d["raw"] = raw1
+        return d, ar1
+    tiny, _keep = _tiny()
+
+    rows: List[Dict[str, Any]] = []
+    t_start = time.time()
+    failed = False
+    for dname in a.dtypes:
+        dtype = getattr(torch, dname, None)
+        if not isinstance(dtype, torch.dtype):
+            raise SystemExit(f"--dtype: unknown dtype {dname!r}")
+        for async_op in a.asyncs:
+            ctx = Context(comm, rank, n, device, dtype, async_op)
+            for coll in a.collectives:
+                for line in _header(coll, dname, n, async_op, tlabel, not a.no_raw, not a.no_baseline):
+                    out(line)
+                seen = set()
+                for s in sizes(a.min_bytes, a.max_bytes, a.factor):
+                    rec = run_row(ctx, coll, s, a, devsync, tiny)
+                    if rec["bytes"] in seen:  # rounding made it a repeat of a smaller size
+                        continue
+                    seen.add(rec["bytes"])
+                    rows.append(rec)
+                    out(_fmt_row(rec, not a.no_raw, not a.no_baseline))
+                    if rec.get("check_errors"):
+                        failed = True
+                        for e in rec["check_errors"]:
+                            out(f"    CHECK FAILED {e}")
+                out()
+    elapsed = time.time() - t_start
+    mach["loadavg_after"] = loadavg()
+    noisy = [(r, k, v) for r in rows for k, v in r["libs"].items() if v["noisy"]]
+    if noisy:
+        out(f"WARNING: {len(noisy)} measurements noisy (max/min over batches > {a.noise_threshold}); "
+            f"load average before {load0}, after {mach['loadavg_after']}. min/median/max us:")
+        for r, k, v in noisy[:40]:
+            t = v["time_us"]
+            out(f"    {r['collective']} {fmt_bytes(r['bytes'])} {r['dtype']} async={r['async_op']} {k}: "
+                f"{t['min']:.1f}/{t['median']:.1f}/{t['max']:.1f} (spread {v['spread']:.2f}x)")
+        if len(noisy) > 40:
+            out(f"    ... and {len(noisy) - 40} more (see the JSON)")
+    tg = targets(rows)
+    if tg and n == 2:
+        out("# targets (issue 5, 2 ranks, float32 all_reduce):")
+        for k, v in tg.items():
+            out(f"#   {k}: {v['value']:.3f} at {fmt_bytes(v['bytes'])} (want {v['target']}): "
+                f"{'met' if v['met'] else 'NOT met'}")
+    out(f"# {len(rows)} rows in {elapsed:.0f} s; checks: {'FAILED' if failed else 'all ok'}")
+    if rank == 0:
+        doc = {"meta": {"machine": mach, "world_size": n, "backend": comm.backend, "baseline": tlabel,
+                        "args": {k: v for k, v in vars(a).items() if k not in ("out",)},
+                        "elapsed_s": elapsed, "command": " ".join(sys.argv)},
+               "targets": tg, "rows": rows}
+        if a.json:
+            _mkdir(a.json)
+            with open(a.json, "w") as fh:
+                json.dump(doc, fh, indent=1)
+        if a.table:
+            _mkdir(a.table)
+            with open(a.table, "w") as fh:
+                fh.write("\n".join(out.lines) + "\n")
+        if a.plot:
+            from .plot import plot
+            _mkdir(a.plot)
+            plot(doc, a.plot)
+    streamcoll.destroy()
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+def _mkdir(path: str) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)

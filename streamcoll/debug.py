@@ -1,0 +1,307 @@
+"""Debug mode: before each collective, check through the communicator's
+store that every rank calls the same op with the same shapes, dtypes, root
+and reduction, and raise :class:`~streamcoll.MismatchError` on every rank,
+saying which ranks differ and how, before any C call.
+
+Off by default (it costs a store round trip per collective). Turn it on with
+``STREAMCOLL_DEBUG_CHECKS=1`` (every communicator created afterwards) or
+:func:`enable` (a collective call: every rank of the communicator at the same
+point). It wraps the communicator's collective methods on the instance, so
+the launch path is untouched when it is off.
+
+What is compared, per collective: the op; the shape and dtype of every
+tensor argument (lists: length and each element), the root (``src``/``dst``)
+and the reduction. Arguments whose shapes legitimately differ between ranks
+are left out (``gather_list``/``scatter_list``, which only the root passes)
+or compared by dtype only (the tensors of ``all_to_all_single``/``all_to_all``), and for
+all-to-all the counts are cross-checked instead: what rank i sends to rank j
+must be what rank j expects from rank i. Point-to-point calls are not checked
+(their peers call different functions by design). ``async_op`` and
+``stream`` may differ.
+
+After a :class:`MismatchError` the communicator stays usable (no rank issued
+the C call). A rank that never reaches the check (it skipped the collective,
+died or hung) makes the others raise :class:`~streamcoll.CollectiveTimeout`
+after the communicator's timeout, naming the missing ranks.
+
+The exchange: each rank sets ``dbg/<ns>/<n>/<rank>`` (JSON of its call) in
+``comm._store`` (a PrefixStore unique to the communicator), waits for every
+rank's key, and deletes its key of check ``n - 2`` (by then every rank has
+read it).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import threading
+from datetime import timedelta
+from typing import Any, Dict, List, Optional, Tuple
+
+from .errors import CollectiveTimeout, MismatchError
+
+__all__ = ["enable", "disable", "is_enabled", "maybe_install", "CHECKED"]
+
+# method -> (arguments compared exactly, arguments compared by dtype only, count cross-check)
+_ARGS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...], Optional[str]]] = {
+    "all_reduce": (("tensor", "op"), (), None),
+    "broadcast": (("tensor", "src"), (), None),
+    "reduce": (("tensor", "dst", "op"), (), None),
+    "all_gather_into_tensor": (("output_tensor", "input_tensor"), (), None),
+    "all_gather": (("tensor_list", "tensor"), (), None),
+    "reduce_scatter_tensor": (("output", "input", "op"), (), None),
+    "reduce_scatter": (("output", "input_list", "op"), (), None),
+    "all_to_all_single": ((), ("output", "input"), "single"),
+    "all_to_all": ((), ("output_tensor_list", "input_tensor_list"), "lists"),
+    "gather": (("tensor", "dst"), (), None),
+    "scatter": (("tensor", "src"), (), None),
+    "barrier": ((), (), None),
+    "split": ((), (), None),
+}
+_ALIASES = {"allreduce": "all_reduce", "_all_gather_base": "all_gather_into_tensor",
+            "_reduce_scatter_base": "reduce_scatter_tensor"}
+CHECKED = tuple(_ARGS) + tuple(_ALIASES)
+
+_tls = threading.local()
+
+
+def _env_on() -> bool:
+    return os.environ.get("STREAMCOLL_DEBUG_CHECKS", "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _tensor(x: Any) -> str:
+    shape = getattr(x, "shape", None)
+    dtype = getattr(x, "dtype", None)
+    if shape is None or dtype is None:
+        return f"<{type(x).__name__}>"
+    dt = str(dtype).replace("torch.", "")
+    return f"{dt}[{', '.join(str(int(s)) for s in shape)}]"
+
+
+def _dtype(x: Any) -> str:
+    d = getattr(x, "dtype", None)
+    return f"<{type(x).__name__}>" if d is None else str(d).replace("torch.", "")
+
+
+def _value(name: str, x: Any, exact: bool) -> Any:
+    if name == "op":
+        try:
+            from .ops import canonical_op
+            n, f = canonical_op(x)
+            return n if n != "PREMUL_SUM" else f"PREMUL_SUM({f:g})"
+        except Exception:
+            return repr(x)
+    if isinstance(x, (list, tuple)):
+        if not exact:
+            return sorted({_dtype(t) for t in x}) if x else []
+        return [_tensor(t) for t in x]
+    if hasattr(x, "shape"):
+        return _tensor(x) if exact else _dtype(x)
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, int):
+        return repr(x)
+    return int(x)
+
+
+def _numel(x: Any) -> int:
+    try:
+        return int(x.numel()) if hasattr(x, "numel") else int(x.size)
+    except Exception:
+        return -1
+
+
+def _counts(kind: str, b: Dict[str, Any], size: int) -> Optional[Tuple[List[int], List[int]]]:
+    """(sent to each rank, expected from each rank) in elements, or None if unknown."""
+    try:
+        if kind == "single":
+            inp, out = b["input"], b["output"]
+            isz, osz = b.get("input_split_sizes"), b.get("output_split_sizes")
+            row_in = _numel(inp) // max(int(inp.shape[0]), 1) if len(inp.shape) else 1
+            row_out = _numel(out) // max(int(out.shape[0]), 1) if len(out.shape) else 1
+            send = [int(s) * row_in for s in isz] if isz is not None else [_numel(inp) // size] * size
+            recv = [int(s) * row_out for s in osz] if osz is not None else [_numel(out) // size] * size
+            return send, recv
+        ins, outs = b["input_tensor_list"], b["output_tensor_list"]
+        return [_numel(t) for t in ins], [_numel(t) for t in outs]
+    except Exception:
+        return None
+
+
+def _fingerprint(comm: Any, name: str, sig: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+    exact, loose, cross = _ARGS[name]
+    fp: Dict[str, Any] = {"op": name}
+    try:
+        b = sig.bind(*args, **kwargs)
+    except TypeError as e:
+        fp["error"] = f"bad arguments: {e}"
+        return fp
+    b.apply_defaults()
+    a = b.arguments
+    for k in exact:
+        fp[k] = _value(k, a.get(k), True)
+    for k in loose:
+        fp[k] = _value(k, a.get(k), False)
+    if cross:
+        fp["_counts"] = _counts(cross, a, comm._size)
+    return fp
+
+
+def _show(fp: dict) -> str:
+    args = ", ".join(f"{k}={v}" for k, v in fp.items() if k not in ("op",) and not k.startswith("_"))
+    return f"{fp['op']}({args})"
+
+
+def _ranks(rs: List[int]) -> str:
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, sorted(rs)))
+
+
+def _compare(fps: List[dict], size: int) -> Tuple[Optional[str], List[int]]:
+    """Why the ranks' calls do not match (None if they do), and the odd ranks."""
+    groups: List[Tuple[dict, List[int]]] = []
+    for r, fp in enumerate(fps):
+        key = {k: v for k, v in fp.items() if not k.startswith("_")}
+        for g in groups:
+            if g[0] == key:
+                g[1].append(r)
+                break
+        else:
+            groups.append((key, [r]))
+    if len(groups) > 1:
+        groups.sort(key=lambda g: (-len(g[1]), g[1]))
+        ref, ref_ranks = groups[0]
+        parts = [f"{_ranks(ref_ranks)} called {_show(ref)}"]
+        odd: List[int] = []
+        for fp, rs in groups[1:]:
+            odd += rs
+            if fp["op"] != ref["op"]:
+                how = f"a different collective ({fp['op']} instead of {ref['op']})"
+            else:
+                keys = [k for k in sorted(set(fp) | set(ref)) if fp.get(k) != ref.get(k)]
+                how = "; ".join(f"{k} {fp.get(k)} instead of {ref.get(k)}" for k in keys)
+            parts.append(f"{_ranks(rs)} called {_show(fp)}: {how}")
+        return "ranks disagree: " + "; ".join(parts), sorted(odd)
+    counts = [fp.get("_counts") for fp in fps]
+    if counts and all(c is not None for c in counts):
+        bad, pairs = [], set()
+        for i in range(size):
+            for j in range(size):
+                sent, expected = counts[i][0][j], counts[j][1][i]
+                if sent != expected:
+                    bad.append(f"rank {i} sends {sent} elements to rank {j}, which expects {expected}")
+                    pairs.update((i, j))
+        if bad:
+            return (f"{fps[0]['op']} counts disagree: " + "; ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""),
+                    sorted(pairs))
+    return None, []
+
+
+class _Checker:
+    """The debug state of one communicator."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        store = comm._store
+        if store is None:
+            raise ValueError(f"debug checks need the communicator's store; {comm.name!r} has none")
+        self.store = store
+        # A namespace per communicator object: communicators of the same name
+        # (two splits of one color, a re-init) must not read each other's keys.
+        self.ns = (int(store.add(f"dbg/ns/{comm.name}", 1)) - 1) // comm._size
+        self.n = 0
+        self.saved: Dict[str, Any] = {}
+
+    def check(self, name: str, fp: dict) -> None:
+        comm = self.comm
+        self.n += 1
+        n, me, size = self.n, comm._rank, comm._size
+        store = self.store
+        key = f"dbg/{self.ns}/{{}}/{{}}"
+        store.set(key.format(n, me), json.dumps(fp, sort_keys=True, default=repr))
+        keys = [key.format(n, r) for r in range(size)]
+        try:
+            store.wait(keys, timedelta(seconds=comm.timeout))
+        except Exception as e:
+            missing = [r for r in range(size) if not store.check([keys[r]])]
+            if not missing:
+                raise
+            raise CollectiveTimeout(
+                name, comm._seq + 1, comm.timeout, [], me, size,
+                f"debug check #{n}: {_ranks(missing)} never reached this collective within the timeout "
+                f"(skipped it, died or hung); this rank called {_show(fp)}") from e
+        vals = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
+        fps = [json.loads(v) for v in vals]
+        if n > 2:
+            try:
+                store.delete_key(key.format(n - 2, me))
+            except Exception:
+                pass
+        why, odd = _compare(fps, size)
+        if why is not None:
+            err = MismatchError(
+                f"debug check #{n} on communicator {comm.name!r} (rank {me} of {size}, before sequence "
+                f"number {comm._seq + 1}): {why}. No rank issued the collective; the communicator is "
+                f"still usable")
+            err.ranks = odd
+            err.calls = fps
+            raise err
+
+
+def _wrap(checker: _Checker, name: str, method: Any):
+    sig = inspect.signature(method)
+    spec = _ALIASES.get(name, name)
+
+    def checked(*args, **kwargs):
+        if getattr(_tls, "depth", 0):
+            return method(*args, **kwargs)  # an inner call of a checked one (barrier -> all_reduce)
+        fp = _fingerprint(checker.comm, spec, sig, args, kwargs)
+        _tls.depth = 1
+        try:
+            checker.check(spec, fp)
+            return method(*args, **kwargs)
+        finally:
+            _tls.depth = 0
+
+    checked.__name__ = name
+    checked.__doc__ = method.__doc__
+    checked.__wrapped__ = method  # type: ignore[attr-defined]
+    return checked
+
+
+def enable(comm: Any) -> None:
+    """Turn the checks on for ``comm`` (collective: every rank, same point)."""
+    if getattr(comm, "_debug", None) is not None:
+        return
+    ch = _Checker(comm)
+    for name in CHECKED:
+        bound = getattr(type(comm), name, None)
+        if bound is None:
+            continue
+        method = getattr(comm, name)
+        ch.saved[name] = method
+        setattr(comm, name, _wrap(ch, name, method))
+    comm._debug = ch
+
+
+def disable(comm: Any) -> None:
+    """Turn the checks off for ``comm``."""
+    ch = getattr(comm, "_debug", None)
+    if ch is None:
+        return
+    for name in ch.saved:
+        try:
+            delattr(comm, name)
+        except AttributeError:
+            pass
+    comm._debug = None
+
+
+def is_enabled(comm: Any) -> bool:
+    return getattr(comm, "_debug", None) is not None
+
+
+def maybe_install(comm: Any) -> None:
+    """Called by ``Communicator.__init__``: enable if ``STREAMCOLL_DEBUG_CHECKS`` is set."""
+    comm._debug = None
+    if _env_on() and comm._store is not None:
+        enable(comm)

@@ -1,0 +1,477 @@
+"""Flight recorder: a bounded ring of each communicator's recent operations,
+dumped as JSON (one file per rank) on a timeout or on request, and a command
+that reads the dumps of all ranks and names the first operation where they
+disagree or where some rank never arrived::
+
+    python -m streamcoll.flight analyze DIR      # exit status 1 if it found a problem
+
+Why a ring written by index: recording runs on every collective, so it must
+cost a small fraction of a microsecond. ``Communicator._launch`` builds one
+small tuple per synchronous operation and stores it at ``ring[seq & mask]``;
+nothing else is allocated and nothing is locked (a list store is atomic under
+the GIL). Tensors are recorded by weak reference, so the ring never keeps
+memory alive; their shapes and dtypes are read later (by the watchdog's
+periodic pass, or at dump time). A tensor freed before that is recorded with
+an unknown shape, which the analysis treats as matching anything.
+
+Entry layout (indexes below). The first five fields are common: sequence
+number, op name, issue time (``time.monotonic_ns``), how many point-to-point
+operations preceded it (so collectives can be aligned across ranks that took
+part in different sends/receives), tensor weak reference(s).
+
+- Synchronous operations (current stream; on the CPU inline in the C call)
+  are a 5-tuple: the cheapest record. Their state is derived: the
+  communicator's ``_done`` holds the sequence number of the last synchronous
+  call that returned, so a later one is still running; failures go to
+  :attr:`FlightRecorder.errors`. Their end time is not recorded (a second
+  clock read per call); the dump bounds it by the next entry's issue time.
+- Asynchronous operations are a list that goes on with: start and end times
+  (set by the CPU comm thread; 0 = not yet), state, the completion event of
+  GPU work (what the watchdog polls), and the error text.
+
+Settings: ``STREAMCOLL_FLIGHT_SIZE`` (entries per communicator, rounded up to
+a power of two; default 1024; 0 turns recording off), ``STREAMCOLL_FLIGHT_DIR``
+(where dumps go; default ``<tmp>/streamcoll-flight``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import sys
+import tempfile
+import time
+import weakref
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+__all__ = [
+    "FlightRecorder", "attach", "dump", "default_dir", "load_dumps", "analyze", "Finding", "main",
+    "SEQ", "OP", "T_ENQ", "P2P", "REFS", "T_START", "T_END", "STATE", "EVENT", "ERROR",
+]
+
+SEQ, OP, T_ENQ, P2P, REFS, T_START, T_END, STATE, EVENT, ERROR = range(10)
+
+# States.
+ENQUEUED = "enqueued"    # async, waiting for the comm thread
+RUNNING = "running"      # inside the C call
+LAUNCHED = "launched"    # GPU: enqueued on a stream; completion unknown yet
+COMPLETED = "completed"
+FAILED = "failed"
+
+P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv"})
+FORMAT_VERSION = 1
+
+now_ns = time.monotonic_ns
+wref = weakref.ref
+
+
+def _capacity() -> int:
+    v = os.environ.get("STREAMCOLL_FLIGHT_SIZE", "1024")
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"STREAMCOLL_FLIGHT_SIZE: expected an integer number of entries, got {v!r}") from None
+    if n < 0:
+        raise ValueError(f"STREAMCOLL_FLIGHT_SIZE: expected >= 0, got {n}")
+    return n
+
+
+def default_dir() -> str:
+    """Where dumps go unless a path is given: ``STREAMCOLL_FLIGHT_DIR`` or
+    ``<tmp>/streamcoll-flight``."""
+    return os.environ.get("STREAMCOLL_FLIGHT_DIR") or os.path.join(tempfile.gettempdir(), "streamcoll-flight")
+
+
+class FlightRecorder:
+    """The ring of one communicator.
+
+    ``ring`` and ``mask`` are what the launch path writes to; everything else
+    here runs off the hot path (watchdog pass, dump).
+    """
+
+    __slots__ = ("ring", "mask", "capacity", "wall0", "mono0", "_resolved_upto")
+
+    def __init__(self, capacity: int) -> None:
+        cap = 1
+        while cap < capacity:
+            cap <<= 1
+        self.capacity = cap if capacity > 0 else 0
+        self.ring: List[Optional[list]] = [None] * max(self.capacity, 1)
+        self.mask = max(self.capacity, 1) - 1
+        # Anchor to turn monotonic stamps into wall-clock times in dumps.
+        self.wall0 = time.time()
+        self.mono0 = now_ns()
+        self._resolved_upto = 0
+
+    def entries(self) -> List[list]:
+        """Recorded entries, oldest first."""
+        return sorted((e for e in self.ring if e is not None), key=lambda e: e[SEQ])
+
+    def recent(self, last_seq: int, n: int) -> Iterable[list]:
+        """Up to ``n`` entries with sequence numbers <= ``last_seq``, newest first."""
+        ring, mask = self.ring, self.mask
+        for s in range(last_seq, max(last_seq - n, 0), -1):
+            e = ring[s & mask]
+            if e is not None and e[SEQ] == s:
+                yield e
+
+    def resolve(self, last_seq: int) -> None:
+        """Replace the weak references of entries up to ``last_seq`` by their
+        shapes and dtypes (the watchdog calls this periodically)."""
+        start = max(self._resolved_upto + 1, last_seq - self.capacity + 1)
+        ring, mask = self.ring, self.mask
+        for s in range(start, last_seq + 1):
+            e = ring[s & mask]
+            if e is not None and e[SEQ] == s:
+                _resolve_entry(e)
+        self._resolved_upto = max(self._resolved_upto, last_seq)
+
+    def wall(self, mono: int) -> Optional[float]:
+        return None if not mono else self.wall0 + (mono - self.mono0) / 1e9
+
+
+def _describe(t: Any) -> Tuple[Optional[list], Optional[str]]:
+    if t is None:
+        return None, None
+    try:
+        return list(t.shape), str(t.dtype).replace("torch.", "")
+    except Exception:
+        return None, None
+
+
+def _resolve_entry(e: list) -> dict:
+    """The ``{"shapes", "dtypes"}`` of an entry, resolving weak references
+    once (a dead reference gives None: shape unknown)."""
+    r = e[TENSORS]
+    if type(r) is dict:
+        return r
+    refs = (r,) if type(r) is wref else (r or ())
+    shapes, dtypes = [], []
+    for ref in refs:
+        s, d = _describe(ref())
+        shapes.append(s)
+        dtypes.append(d)
+    out = {"shapes": shapes, "dtypes": dtypes}
+    e[TENSORS] = out
+    return out
+
+
+def attach(comm: Any) -> None:
+    """Give ``comm`` its recorder and the attributes the launch path uses."""
+    fr = FlightRecorder(_capacity())
+    comm._flight = fr
+    comm._ring = fr.ring
+    comm._ring_mask = fr.mask
+    comm._record = fr.capacity > 0
+    comm._p2p = 0
+    comm._inflight_async = None
+
+
+# ----------------------------------------------------------------- dumping
+def _entry_json(fr: FlightRecorder, e: list, now: int) -> dict:
+    desc = _resolve_entry(e)
+    t_enq, t_start, t_end = e[T_ENQ], e[T_START], e[T_END]
+    state = e[STATE]
+    ev = e[EVENT]
+    if state == LAUNCHED and ev is not None:
+        try:
+            if ev.query():
+                state = COMPLETED
+        except Exception:
+            pass
+    d = {
+        "seq": e[SEQ],
+        "collective_seq": None if e[OP] in P2P_OPS else e[SEQ] - e[P2P],
+        "op": e[OP],
+        "shapes": desc["shapes"],
+        "dtypes": desc["dtypes"],
+        "strategy": e[STRATEGY],
+        "state": state,
+        "enqueued": fr.wall(t_enq),
+        "started": fr.wall(t_start),
+        "ended": fr.wall(t_end),
+        "duration_s": (t_end - t_start) / 1e9 if t_end and t_start else None,
+        "age_s": (now - (t_start or t_enq)) / 1e9 if t_enq else None,
+    }
+    if e[ERROR]:
+        d["error"] = e[ERROR]
+    return d
+
+
+def snapshot(comm: Any, reason: str = "") -> dict:
+    """The JSON-ready flight record of ``comm``."""
+    fr: FlightRecorder = comm._flight
+    now = now_ns()
+    failed = comm._failed
+    return {
+        "format": "streamcoll-flight",
+        "version": FORMAT_VERSION,
+        "communicator": comm.name,
+        "backend": comm._backend.name,
+        "device": str(comm._device),
+        "rank": comm._rank,
+        "size": comm._size,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "timeout_s": comm.timeout,
+        "issued": comm._seq,
+        "p2p_issued": comm._p2p,
+        "state": "destroyed" if comm._destroyed else ("failed" if failed is not None else "live"),
+        "failure": None if failed is None else str(failed),
+        "reason": reason,
+        "dumped_at": time.time(),
+        "capacity": fr.capacity,
+        "entries": [_entry_json(fr, e, now) for e in fr.entries()],
+    }
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "comm"
+
+
+def dump(comm: Any, path: Optional[str] = None, reason: str = "on request") -> str:
+    """Write ``comm``'s flight record as JSON; returns the file written.
+
+    ``path`` may be a directory (the file is then
+    ``<communicator>.rank<r>.json`` in it) or a file name; default: the
+    directory :func:`default_dir` names.
+    """
+    if path is None or os.path.isdir(path) or str(path).endswith(os.sep):
+        d = default_dir() if path is None else str(path)
+        os.makedirs(d, exist_ok=True)
+        path = os.path.join(d, f"{_safe(comm.name)}.rank{comm._rank}.json")
+    else:
+        parent = os.path.dirname(os.path.abspath(path))
+        os.makedirs(parent, exist_ok=True)
+    data = snapshot(comm, reason)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)  # never a half-written dump for the analysis to read
+    return str(path)
+
+
+# ---------------------------------------------------------------- analysis
+class Finding:
+    """One problem found by :func:`analyze`."""
+
+    def __init__(self, communicator: str, kind: str, collective_seq: Optional[int], seqs: Dict[int, int],
+                 ranks: Sequence[int], message: str) -> None:
+        self.communicator = communicator
+        self.kind = kind  # "never_arrived", "mismatch", "stuck", "missing_dump"
+        self.collective_seq = collective_seq
+        self.seqs = dict(seqs)  # rank -> that rank's sequence number for it
+        self.ranks = list(ranks)  # the ranks at fault
+        self.message = message
+
+    @property
+    def seq(self) -> Optional[int]:
+        """The sequence number of the operation (the ranks' common one, else the lowest)."""
+        vals = sorted(set(self.seqs.values()))
+        return vals[0] if vals else self.collective_seq
+
+    def as_dict(self) -> dict:
+        return {"communicator": self.communicator, "kind": self.kind, "collective_seq": self.collective_seq,
+                "seq": self.seq, "seqs": {str(k): v for k, v in self.seqs.items()}, "ranks": self.ranks,
+                "message": self.message}
+
+    def __repr__(self) -> str:
+        return f"Finding({self.kind}, seq={self.seq}, ranks={self.ranks})"
+
+
+def load_dumps(paths: Sequence[str]) -> List[dict]:
+    """Read flight dumps from files and/or directories (``*.json`` in them)."""
+    files: List[str] = []
+    for p in paths:
+        if os.path.isdir(p):
+            files += sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(".json"))
+        else:
+            files.append(p)
+    out = []
+    for f in files:
+        with open(f) as fh:
+            try:
+                d = json.load(fh)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{f}: not a JSON flight dump ({e})") from None
+        if d.get("format") != "streamcoll-flight":
+            continue
+        d["_file"] = f
+        out.append(d)
+    return out
+
+
+def _fmt_call(e: dict) -> str:
+    shapes = ", ".join("?" if s is None else "(" + ", ".join(map(str, s)) + ("," if len(s) == 1 else "") + ")"
+                       for s in e["shapes"])
+    dts = sorted({d for d in e["dtypes"] if d})
+    return f"{e['op']}(shapes [{shapes}], {'/'.join(dts) or '?'}; {e['strategy']})"
+
+
+def _same(a: dict, b: dict) -> List[str]:
+    """How entries ``a`` and ``b`` differ (empty: they match; unknown shapes match anything)."""
+    diffs = []
+    if a["op"] != b["op"]:
+        diffs.append("op")
+        return diffs
+    sa, sb = a["shapes"], b["shapes"]
+    if len(sa) == len(sb):
+        if any(x is not None and y is not None and x != y for x, y in zip(sa, sb)):
+            diffs.append("shapes")
+        if any(x is not None and y is not None and x != y for x, y in zip(a["dtypes"], b["dtypes"])):
+            diffs.append("dtypes")
+    return diffs
+
+
+# Ops whose tensor shapes legitimately differ between ranks (roots hold lists,
+# uneven splits): compared by op name only.
+_SHAPE_FREE = frozenset({"gather", "scatter", "all_to_all_single", "all_to_all", "coalesced"})
+
+
+def _ranks(rs: Iterable[int]) -> str:
+    rs = sorted(rs)
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
+
+
+def _analyze_group(name: str, dumps: List[dict]) -> List[Finding]:
+    size = dumps[0]["size"]
+    by_rank = {d["rank"]: d for d in dumps}
+    findings: List[Finding] = []
+    missing = sorted(set(range(size)) - set(by_rank))
+    if missing:
+        findings.append(Finding(name, "missing_dump", None, {}, missing,
+                                f"communicator {name!r}: no dump from {_ranks(missing)} (of {size}); "
+                                f"collect every rank's dump for a full analysis"))
+    # Collectives by their collective sequence number (point-to-point ops excluded).
+    colls: Dict[int, Dict[int, dict]] = {}
+    last: Dict[int, int] = {}
+    first: Dict[int, int] = {}
+    for r, d in by_rank.items():
+        m = {e["collective_seq"]: e for e in d["entries"] if e.get("collective_seq") is not None}
+        colls[r] = m
+        last[r] = d["issued"] - d.get("p2p_issued", 0)
+        first[r] = min(m) if m else last[r] + 1
+    if not by_rank:
+        return findings
+    # Compare where every rank still holds its record (rings are bounded).
+    lo = max(first.values())
+    hi = max(last.values())
+    for k in range(lo, hi + 1):
+        present = {r: colls[r][k] for r in by_rank if k in colls[r]}
+        absent = [r for r in by_rank if k not in colls[r] and k > last[r]]
+        seqs = {r: e["seq"] for r, e in present.items()}
+        if absent and present:
+            ref = next(iter(present.values()))
+            states = sorted({e["state"] for e in present.values()})
+            lasts = ", ".join(
+                f"rank {r}: #{last[r]}" + (f" {colls[r][last[r]]['op']}" if last[r] in colls[r] else "")
+                for r in absent)
+            msg = (f"communicator {name!r}: first problem at sequence number {ref['seq']} "
+                   f"(collective #{k}): {_ranks(absent)} never arrived (last issued: {lasts}); "
+                   f"{_ranks(present)} called {_fmt_call(ref)}, state {'/'.join(states)}")
+            findings.append(Finding(name, "never_arrived", k, seqs, absent, msg))
+            return findings
+        if len(present) < 2:
+            continue
+        # Group ranks by what they called; the largest group is the reference.
+        groups: List[Tuple[dict, List[int]]] = []
+        for r, e in sorted(present.items()):
+            for g in groups:
+                ref = g[0]
+                if ref["op"] == e["op"] and (e["op"] in _SHAPE_FREE or not _same(ref, e)):
+                    g[1].append(r)
+                    break
+            else:
+                groups.append((e, [r]))
+        if len(groups) > 1:
+            groups.sort(key=lambda g: (-len(g[1]), g[1]))
+            ref, ref_ranks = groups[0]
+            parts, odd, hows = [], [], []
+            for e, rs in groups[1:]:
+                for h in _same(ref, e):
+                    if h not in hows:
+                        hows.append(h)
+                parts.append(f"{_ranks(rs)} called {_fmt_call(e)}")
+                odd += rs
+            msg = (f"communicator {name!r}: first problem at sequence number {min(seqs.values())} "
+                   f"(collective #{k}): ranks disagree in {', '.join(hows)}: {_ranks(ref_ranks)} called "
+                   f"{_fmt_call(ref)}; " + "; ".join(parts))
+            findings.append(Finding(name, "mismatch", k, seqs, sorted(odd), msg))
+            return findings
+    # Everyone arrived everywhere: report an operation stuck on some ranks.
+    for k in range(lo, hi + 1):
+        present = {r: colls[r][k] for r in by_rank if k in colls[r]}
+        stuck = [r for r, e in present.items() if e["state"] in (RUNNING, ENQUEUED, LAUNCHED)]
+        if stuck and len(present) == len(by_rank) and len(by_rank) == size:
+            e = present[stuck[0]]
+            msg = (f"communicator {name!r}: every rank reached sequence number {e['seq']} (collective #{k}, "
+                   f"{_fmt_call(e)}) but it did not complete on {_ranks(stuck)}: a rank may have died inside "
+                   f"it or the network failed")
+            findings.append(Finding(name, "stuck", k, {r: x["seq"] for r, x in present.items()}, stuck, msg))
+            return findings
+    return findings
+
+
+def analyze(dumps_or_paths: Sequence[Any]) -> List[Finding]:
+    """Findings over the dumps (dicts, or files/directories to read), one
+    per communicator at most (its first problem), plus missing-dump notes."""
+    dumps = [d for d in dumps_or_paths if isinstance(d, dict)]
+    paths = [p for p in dumps_or_paths if not isinstance(p, dict)]
+    if paths:
+        dumps += load_dumps([str(p) for p in paths])
+    groups: Dict[Tuple[str, int], List[dict]] = {}
+    for d in dumps:
+        groups.setdefault((d["communicator"], d["size"]), []).append(d)
+    findings: List[Finding] = []
+    for (name, _), ds in sorted(groups.items()):
+        # Several dumps of one rank (on request, then on timeout): the latest wins.
+        latest: Dict[int, dict] = {}
+        for d in ds:
+            if d["rank"] not in latest or d["dumped_at"] >= latest[d["rank"]]["dumped_at"]:
+                latest[d["rank"]] = d
+        findings += _analyze_group(name, list(latest.values()))
+    return findings
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m streamcoll.flight",
+                                description="Read streamcoll flight-recorder dumps.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("analyze", help="name the first operation where ranks disagree or some rank never arrived")
+    a.add_argument("paths", nargs="+", help="dump files or directories holding them (one file per rank)")
+    a.add_argument("--json", action="store_true", help="print the findings as JSON")
+    s = sub.add_parser("show", help="print one dump's entries")
+    s.add_argument("path")
+    s.add_argument("--last", type=int, default=20)
+    args = p.parse_args(argv)
+    if args.cmd == "show":
+        (d,) = load_dumps([args.path])
+        print(f"{d['communicator']} rank {d['rank']} of {d['size']} ({d['backend']} on {d['device']}), "
+              f"{d['issued']} issued, state {d['state']}" + (f": {d['failure']}" if d["failure"] else ""))
+        for e in d["entries"][-args.last:]:
+            print(f"  #{e['seq']:<6} {_fmt_call(e):60s} {e['state']}"
+                  + (f" {e['duration_s'] * 1e6:.0f} us" if e.get("duration_s") is not None else ""))
+        return 0
+    dumps = load_dumps(args.paths)
+    if not dumps:
+        print(f"no streamcoll flight dumps in {', '.join(args.paths)}", file=sys.stderr)
+        return 2
+    findings = analyze(dumps)
+    if args.json:
+        print(json.dumps([f.as_dict() for f in findings], indent=1))
+    else:
+        comms = sorted({(d["communicator"], d["size"]) for d in dumps})
+        for name, size in comms:
+            ranks = sorted(d["rank"] for d in dumps if d["communicator"] == name and d["size"] == size)
+            print(f"communicator {name!r}: {size} ranks, dumps from {_ranks(set(ranks))}")
+        for f in findings:
+            print(f.message)
+        if not any(f.kind != "missing_dump" for f in findings):
+            print("no disagreement found: every rank recorded the same operations")
+    return 1 if any(f.kind != "missing_dump" for f in findings) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""GradientSync: DDP's communication/computation overlap for custom loops.
+
+Why: ``DistributedDataParallel`` overlaps gradient all-reduces with the rest
+of backward, but it owns the module and its forward. A custom loop that only
+wants the overlap registers this on its parameters instead::
+
+    sync = streamcoll.GradientSync(model.parameters(), bucket_mb=25)
+    for x, y in data:
+        loss_fn(model(x), y).backward()   # buckets launch while backward runs
+        sync.finish()                     # wait, copy averaged grads into .grad
+        opt.step(); opt.zero_grad()
+
+How, in DDP's way:
+
+- A post-accumulate-grad hook on each parameter copies its gradient into a
+  flat bucket buffer as soon as it is final. Buckets hold parameters of one
+  dtype and device, up to ``bucket_mb``, in the order gradients become ready:
+  first reverse registration order (backward usually runs the model
+  backwards); after the first step, the order rank 0 actually observed
+  (broadcast, so all ranks agree) -- once, like DDP's bucket rebuild.
+- A full bucket is all-reduced with ``async_op=True`` right away, while
+  backward continues. Buckets launch strictly in index order (a full bucket
+  waits for its predecessors), so every rank issues the same collectives in
+  the same order even if its gradients become ready in another order.
+- ``finish()`` launches what is left, waits for every bucket and copies the
+  results back into ``.grad``. Bucket buffers are allocated once (again after
+  the one rebuild) and reused every step.
+
+Parameters without gradients: ``requires_grad=False`` ones are ignored. A
+parameter that gets no gradient in a step on some rank (unused, as with DDP's
+``find_unused_parameters=True``) contributes zeros there, so every rank still
+launches the same buckets. Each bucket carries one extra element per
+parameter, 1 where this rank produced a gradient: after the reduction, a
+parameter no rank used keeps its ``.grad`` untouched (None stays None); one
+used elsewhere gets the reduced value, as DDP does.
+
+Gradient accumulation: backward passes inside ``with sync.no_sync():`` only
+accumulate into ``.grad``; the next backward outside it reduces the sum.
+Call ``finish()`` exactly once per synchronised step, on every rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Union
+
+import torch
+
+from . import bootstrap
+from .communicator import Communicator
+from .ops import ReduceOp, canonical_op
+
+__all__ = ["GradientSync"]
+
+
+class _Bucket:
+    """One flat buffer: the gradients of ``params`` then one used-flag each."""
+
+    __slots__ = ("index", "params", "views", "flags", "flat", "pending", "work", "nbytes")
+
+    def __init__(self, index: int, params: List[int], plist: List[torch.nn.Parameter]) -> None:
+        self.index = index
+        self.params = params
+        first = plist[params[0]]
+        numels = [plist[i].numel() for i in params]
+        total = sum(numels)
+        self.flat = torch.zeros(total + len(params), dtype=first.dtype, device=first.device)
+        self.views: List[torch.Tensor] = []
+        off = 0
+        for i, n in zip(params, numels):
+            self.views.append(self.flat[off:off + n].view(plist[i].shape))
+            off += n
+        self.flags = self.flat[total:]
+        self.nbytes = self.flat.numel() * self.flat.element_size()
+        self.pending = len(params)
+        self.work: Any = None
+
+
+class GradientSync:
+    """All-reduce gradients in buckets while backward runs (see the module doc).
+
+    ``params``: parameters (or a Module); those with ``requires_grad=False``
+    are skipped. ``bucket_mb``: bucket capacity in MiB (a parameter larger
+    than that gets a bucket of its own). ``op``: SUM, AVG (default, like DDP)
+    or a ``premul_sum`` with a positive factor. ``group``: the Communicator
+    (default: streamcoll's default one). ``record_timeline``: keep
+    ``perf_counter`` times of gradient readiness, bucket launches and bucket
+    completions of the last step (``timeline()``), for profiling the overlap.
+    """
+
+    def __init__(
+        self,
+        params: Union[Iterable[torch.nn.Parameter], torch.nn.Module],
+        bucket_mb: float = 25.0,
+        op: Any = ReduceOp.AVG,
+        group: Optional[Communicator] = None,
+        record_timeline: bool = False,
+    ) -> None:
+        if isinstance(params, torch.nn.Module):
+            params = params.parameters()
+        if isinstance(params, torch.Tensor):
+            raise TypeError("params: expected an iterable of parameters (or a Module), got a single tensor")
+        plist: List[torch.nn.Parameter] = []
+        seen = set()
+        for i, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"params[{i}]: expected a torch.Tensor (nn.Parameter), got {type(p).__name__}")
+            if not p.requires_grad or id(p) in seen:
+                continue
+            if not p.is_leaf:
+                raise ValueError(f"params[{i}]: expected a leaf tensor (a parameter); gradients of non-leaf tensors are not accumulated")
+            if not p.dtype.is_floating_point:
+                raise TypeError(f"params[{i}]: expected a floating-point parameter, got {p.dtype}")
+            seen.add(id(p))
+            plist.append(p)
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+            raise ValueError(f"bucket_mb: expected a positive number of MiB, got {bucket_mb!r}")
+        name, factor = canonical_op(op)
+        if name not in ("SUM", "AVG", "PREMUL_SUM") or factor <= 0:
+            raise ValueError(f"op: expected SUM, AVG or premul_sum(factor > 0) for gradients, got {op!r}")
+        if group is not None and not isinstance(group, Communicator):
+            raise TypeError(f"group: expected a streamcoll.Communicator or None, got {type(group).__name__}")
+        self._comm = group if group is not None else bootstrap.default_communicator()
+        self._op = op
+        self._cap = int(bucket_mb * 1024 * 1024)
+        self._params = plist
+        self._index: Dict[int, int] = {id(p): i for i, p in enumerate(plist)}
+        self._ready = [False] * len(plist)
+        self._no_sync = False
+        self._record = bool(record_timeline)
+        self._order: Optional[List[int]] = []  # ready order of the first step (None once rebuilt)
+        self._buckets: List[_Bucket] = []
+        self._where: List[tuple] = [(0, 0)] * len(plist)  # param -> (bucket, slot)
+        self._next = 0
+        self._launched_any = False
+        self._ready_times: List[tuple] = []
+        self._launch_times: List[float] = []
+        self._done_times: Dict[int, float] = {}
+        self.steps = 0
+        self.buffer_allocations = 0
+        self._build(list(range(len(plist)))[::-1])
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in plist]
+
+    # ------------------------------------------------------------ layout
+    def _build(self, order: List[int]) -> None:
+        """Buckets from ``order`` (param indices, first ready first): one open
+        bucket per (dtype, device); a bucket closes when adding the next
+        parameter would pass the cap; buckets are ordered by their first
+        parameter's position in ``order``."""
+        plist = self._params
+        open_: Dict[tuple, List[int]] = {}
+        sizes: Dict[tuple, int] = {}
+        closed: List[List[int]] = []
+        for i in order:
+            p = plist[i]
+            key = (p.dtype, p.device)
+            nb = p.numel() * p.element_size()
+            cur = open_.get(key)
+            if cur is not None and sizes[key] + nb > self._cap:
+                closed.append(cur)
+                cur = None
+            if cur is None:
+                cur = open_[key] = []
+                sizes[key] = 0
+            cur.append(i)
+            sizes[key] += nb
+        closed.extend(open_.values())
+        pos = {i: k for k, i in enumerate(order)}
+        closed.sort(key=lambda b: pos[b[0]])
+        self._buckets = [_Bucket(k, idx, plist) for k, idx in enumerate(closed)]
+        self.buffer_allocations += len(self._buckets)
+        for b in self._buckets:
+            for slot, i in enumerate(b.params):
+                self._where[i] = (b.index, slot)
+
+    @property
+    def bucket_params(self) -> List[List[torch.nn.Parameter]]:
+        """The parameters of each bucket, in launch order."""
+        return [[self._params[i] for i in b.params] for b in self._buckets]
+
+    # ------------------------------------------------------------ hooks
+    def _hook(self, p: torch.Tensor) -> None:
+        if self._no_sync:
+            return
+        i = self._index[id(p)]
+        if self._ready[i]:
+            raise RuntimeError(
+                f"GradientSync: the gradient of parameter {i} (shape {tuple(p.shape)}) became ready twice "
+                "before finish(); call finish() after every synchronised backward, and wrap "
+                "accumulation-only backward passes in no_sync()"
+            )
+        g = p.grad
+        if g is None or g.is_sparse:
+            raise RuntimeError(f"GradientSync: parameter {i} has {'a sparse' if g is not None else 'no'} gradient; "
+                               "dense gradients only")
+        self._ready[i] = True
+        if self._order is not None:
+            self._order.append(i)
+        if self._record:
+            self._ready_times.append((i, time.perf_counter()))
+        k, slot = self._where[i]
+        b = self._buckets[k]
+        b.views[slot].copy_(g)
+        b.flags[slot] = 1
+        b.pending -= 1
+        if b.pending == 0 and k == self._next:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        buckets = self._buckets
+        while self._next < len(buckets) and buckets[self._next].pending == 0:
+            self._launch(buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        b.work = self._comm.all_reduce(b.flat, self._op, async_op=True)
+        if self._record:
+            self._launch_times.append(time.perf_counter())
+            k = b.index
+            b.work.get_future().add_done_callback(lambda _f, k=k: self._done_times.__setitem__(k, time.perf_counter()))
+
+    # ------------------------------------------------------------ API
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes in this block only accumulate into ``.grad``."""
+        old = self._no_sync
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = old
+
+    def finish(self) -> None:
+        """Launch the buckets still open (zero-filling parameters that got no
+        gradient on this rank), wait for all of them and write the reduced
+        gradients into ``.grad``. Call it before ``optimizer.step()``."""
+        if self._no_sync:
+            raise RuntimeError("GradientSync.finish(): called inside no_sync(); call it after the synchronised backward")
+        plist = self._params
+        for b in self._buckets[self._next:]:
+            if b.pending:
+                for slot, i in enumerate(b.params):
+                    if not self._ready[i]:
+                        b.views[slot].zero_()
+                b.pending = 0
+        self._launch_ready()
+        for b in self._buckets:
+            b.work.wait()
+            b.work = None
+        for b in self._buckets:
+            used = b.flags.tolist()
+            for slot, i in enumerate(b.params):
+                if not self._ready[i] and not used[slot] > 0:
+                    continue  # no rank used it: leave .grad alone, as DDP does
+                p = plist[i]
+                if p.grad is None:
+                    p.grad = b.views[slot].clone()
+                else:
+                    p.grad.copy_(b.views[slot])
+        self._reset()
+        self.steps += 1
+        if self._order is not None:
+            self._rebuild()
+
+    def _reset(self) -> None:
+        for b in self._buckets:
+            b.flags.zero_()
+            b.pending = len(b.params)
+        self._ready = [False] * len(self._params)
+        self._next = 0
+
+    def _rebuild(self) -> None:
+        """Once, after the first step: buckets in the ready order rank 0 saw."""
+        order, self._order = self._order, None
+        seen = set(order)
+        order = order + [i for i in range(len(self._params))[::-1] if i not in seen]
+        t = torch.tensor(order, dtype=torch.int64, device=self._comm.device)
+        self._comm.broadcast(t, 0)
+        order = t.tolist()
+        current = [i for b in self._buckets for i in b.params]
+        if order != current:
+            self._build(order)
+
+    def timeline(self) -> Dict[str, Any]:
+        """``perf_counter`` times of the last step (``record_timeline=True``):
+        ``ready`` [(param index, t)], ``launch`` [t per bucket], ``done``
+        {bucket: t}. Cleared by :meth:`clear_timeline`."""
+        return {"ready": list(self._ready_times), "launch": list(self._launch_times),
+                "done": dict(self._done_times)}
+
+    def clear_timeline(self) -> None:
+        self._ready_times.clear()
+        self._launch_times.clear()
+        self._done_times.clear()
+
+    def remove(self) -> None:
+        """Unregister the hooks (idempotent)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __repr__(self) -> str:
+        sizes = [b.nbytes for b in self._buckets]
+        return (f"<streamcoll.GradientSync params={len(self._params)} buckets={len(sizes)} "
+                f"bytes={sizes} op={self._op!r}>")

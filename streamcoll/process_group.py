@@ -1,0 +1,406 @@
+"""A torch.distributed backend named ``"streamcoll"``.
+
+``import streamcoll`` registers it, so existing torch.distributed code (and
+``DistributedDataParallel``) runs on streamcoll's communicators::
+
+    import streamcoll, torch.distributed as dist
+    dist.init_process_group("streamcoll")          # torchrun's env://
+    model = torch.nn.parallel.DistributedDataParallel(model)
+
+The process group is a Python subclass of ``torch.distributed.ProcessGroup``
+(the C++ ``Backend`` class cannot be subclassed from Python). Why Python: the
+Communicator already does the work; this layer only maps torch's calling
+convention onto it: the tensor lists of the C++ API, the option objects
+(``AllreduceOptions.reduceOp``, ``BroadcastOptions.rootRank``, ...,
+``asyncOp``) and torch Works whose futures complete with the outputs.
+
+One Communicator per device type, created on the first collective that uses
+that device (every rank issues the same collectives, so they create it
+together), over the store torch hands the creator: cpu tensors go to oneCCL,
+cuda tensors to NCCL, xpu tensors to oneCCL.
+
+``opts.asyncOp`` False (``dist.all_reduce(t)``) launches on the current
+stream, as streamcoll's own ``async_op=False`` does; True (``async_op=True``,
+DDP's buckets) uses the comm-stream strategy. Collectives torch has that
+streamcoll does not implement raise NotImplementedError naming them.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .communicator import Communicator
+
+__all__ = ["ProcessGroupStreamcoll", "StreamcollWork", "create_process_group", "register_backend", "BACKEND_NAME"]
+
+BACKEND_NAME = "streamcoll"
+_NO_TIMEOUT = timedelta(0)
+
+
+def _seconds(timeout: Any) -> Optional[float]:
+    """torch passes timeouts as timedelta; zero or negative means "unset"."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        s = timeout.total_seconds()
+        return s if s > 0 else None
+    return float(timeout) if timeout > 0 else None
+
+
+class StreamcollWork(dist._Work):
+    """A torch Work over a :class:`streamcoll.Work` (or over a collective
+    that already completed inline, ``work=None``).
+
+    ``wait()`` has streamcoll's semantics (GPU: the current stream waits; CPU:
+    the thread blocks); ``get_future()`` completes with the output tensors
+    once the collective completed, and ``is_completed()`` is True from then on.
+    """
+
+    def __init__(self, work: Any, outputs: Sequence[torch.Tensor], op: str) -> None:
+        super().__init__()
+        self._work = work
+        self._outputs = list(outputs)
+        self._op = op
+        self._fut: Optional[torch.futures.Future] = None
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._work is not None:
+            self._work.wait(_seconds(timeout))
+        return True
+
+    def synchronize(self) -> None:
+        if self._work is not None:
+            self._work.synchronize()
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work is None or self._work.is_success()
+
+    def exception(self) -> Optional[BaseException]:
+        return None if self._work is None else self._work.exception()
+
+    def result(self) -> List[torch.Tensor]:
+        return list(self._outputs)
+
+    def get_future(self) -> torch.futures.Future:
+        fut = self._fut
+        if fut is None:
+            if self._work is None:
+                fut = torch.futures.Future()
+                fut.set_result(list(self._outputs))
+            else:
+                fut = self._work.get_future()
+            self._fut = fut
+        return fut
+
+    def __repr__(self) -> str:
+        return f"<StreamcollWork {self._op} {'completed' if self.is_completed() else 'pending'}>"
+
+
+def _not_implemented(name: str) -> Callable:
+    def method(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"{name} is not implemented by the streamcoll process group backend; "
+            f"use a gloo/nccl group for it (dist.new_group(backend=...))"
+        )
+
+    method.__name__ = name
+    return method
+
+
+class ProcessGroupStreamcoll(dist.ProcessGroup):
+    """torch.distributed ProcessGroup running on streamcoll Communicators."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: Optional[timedelta] = None) -> None:
+        super().__init__(rank, size)
+        self._store = store
+        self._rank = rank
+        self._size = size
+        self._timeout = timeout
+        self._comms: Dict[tuple, Communicator] = {}
+        self._lock = threading.Lock()
+        self._coalescing: Optional[tuple] = None
+        self._last_device: Optional[torch.device] = None
+
+    # -- identity -----------------------------------------------------------
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroupStreamcoll rank={self._rank} size={self._size} comms={list(self._comms)}>"
+
+    # -- communicators ------------------------------------------------------
+    def communicator(self, device: Any) -> Communicator:
+        """The Communicator serving ``device`` (created on first use: a
+        collective call, so every rank must reach it)."""
+        dev = torch.device(device)
+        key = (dev.type, dev.index)
+        c = self._comms.get(key)
+        if c is not None:
+            return c
+        from .bootstrap import new_communicator
+        with self._lock:
+            c = self._comms.get(key)
+            if c is None:
+                store = dist.PrefixStore(f"streamcoll/{dev}/", self._store)
+                c = new_communicator(device=dev, timeout=self._timeout, store=store, rank=self._rank,
+                                     world_size=self._size, name=f"pg-{dev.type}")
+                self._comms[key] = c
+        return c
+
+    def _comm(self, t: Any, name: str) -> Communicator:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        dev = t.device
+        if dev.type not in ("cpu", "cuda", "xpu"):
+            raise ValueError(f"{name}: the streamcoll backend supports cpu, cuda and xpu tensors, got {dev}")
+        self._last_device = dev
+        return self.communicator(dev)
+
+    @staticmethod
+    def _one(tensors: Any, name: str) -> torch.Tensor:
+        if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
+            n = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
+            raise ValueError(f"{name}: expected a list of exactly one tensor (one device per process), got {n}")
+        return tensors[0]
+
+    @staticmethod
+    def _async(opts: Any) -> bool:
+        return bool(getattr(opts, "asyncOp", True))
+
+    def _work(self, w: Any, outputs: Sequence[torch.Tensor], op: str) -> StreamcollWork:
+        return StreamcollWork(w, outputs, op)
+
+    def _run(self, comm: Communicator, op: str, outputs: Sequence[torch.Tensor], opts: Any,
+             launch: Callable[[bool], Any]) -> StreamcollWork:
+        if self._coalescing is not None:
+            # start_coalescing ... end_coalescing: queued into one group launch.
+            launch(False)
+            self._coalescing[2].extend(outputs)
+            return self._work(None, outputs, op)
+        return self._work(launch(self._async(opts)), outputs, op)
+
+    # -- collectives --------------------------------------------------------
+    def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> StreamcollWork:
+        if opts is None or isinstance(opts, dist.ReduceOp):
+            opts = _opts_from(opts)
+        t = self._one(tensors, "tensors")
+        c = self._comm(t, "tensors[0]")
+        return self._run(c, "allreduce", [t], opts, lambda a: c.all_reduce(t, opts.reduceOp, a))
+
+    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> StreamcollWork:
+        if not tensors:
+            return self._work(None, [], "allreduce_coalesced")
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        c = self._comm(tensors[0], "tensors[0]")
+        return self._grouped(c, "allreduce_coalesced", list(tensors), opts,
+                             [(lambda t=t: c.all_reduce(t, op)) for t in tensors])
+
+    def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> StreamcollWork:
+        t = self._one(tensors, "tensors")
+        c = self._comm(t, "tensors[0]")
+        root = opts.rootRank if opts is not None else 0
+        return self._run(c, "broadcast", [t], opts, lambda a: c.broadcast(t, root, a))
+
+    def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> StreamcollWork:
+        t = self._one(tensors, "tensors")
+        c = self._comm(t, "tensors[0]")
+        root = opts.rootRank if opts is not None else 0
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        return self._run(c, "reduce", [t], opts, lambda a: c.reduce(t, root, op, a))
+
+    def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
+                  opts: Any = None) -> StreamcollWork:
+        t = self._one(input_tensors, "input_tensors")
+        outs = self._one(output_tensors, "output_tensors")
+        c = self._comm(t, "input_tensors[0]")
+        return self._run(c, "allgather", list(outs), opts, lambda a: c.all_gather(outs, t, a))
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> StreamcollWork:
+        c = self._comm(input, "input")
+        return self._run(c, "all_gather_single", [output], opts,
+                         lambda a: c.all_gather_into_tensor(output, input, a))
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                    opts: Any = None) -> StreamcollWork:
+        if not inputs:
+            return self._work(None, [], "all_gather_single_coalesced")
+        c = self._comm(inputs[0], "inputs[0]")
+        return self._grouped(c, "all_gather_single_coalesced", list(outputs), opts,
+                             [(lambda o=o, i=i: c.all_gather_into_tensor(o, i)) for o, i in zip(outputs, inputs)])
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],
+                       opts: Any = None) -> StreamcollWork:
+        out = self._one(output_tensors, "output_tensors")
+        ins = self._one(input_tensors, "input_tensors")
+        c = self._comm(out, "output_tensors[0]")
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        return self._run(c, "reduce_scatter", [out], opts, lambda a: c.reduce_scatter(out, ins, op, a))
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> StreamcollWork:
+        c = self._comm(input, "input")
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        return self._run(c, "reduce_scatter_single", [output], opts,
+                         lambda a: c.reduce_scatter_tensor(output, input, op, a))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                        opts: Any = None) -> StreamcollWork:
+        if not inputs:
+            return self._work(None, [], "reduce_scatter_single_coalesced")
+        c = self._comm(inputs[0], "inputs[0]")
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        return self._grouped(c, "reduce_scatter_single_coalesced", list(outputs), opts,
+                             [(lambda o=o, i=i: c.reduce_scatter_tensor(o, i, op)) for o, i in zip(outputs, inputs)])
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: List[int],
+                          input_split_sizes: List[int], opts: Any = None) -> StreamcollWork:
+        c = self._comm(input, "input")
+        osz = list(output_split_sizes) or None  # torch passes [] for "even split"
+        isz = list(input_split_sizes) or None
+        return self._run(c, "all_to_all_single", [output], opts,
+                         lambda a: c.all_to_all_single(output, input, osz, isz, a))
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor],
+                 opts: Any = None) -> StreamcollWork:
+        if not input_tensors:
+            raise ValueError("input_tensors: expected one tensor per rank, got an empty list")
+        c = self._comm(input_tensors[0], "input_tensors[0]")
+        return self._run(c, "alltoall", list(output_tensors), opts,
+                         lambda a: c.all_to_all(output_tensors, input_tensors, a))
+
+    def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
+               opts: Any = None) -> StreamcollWork:
+        t = self._one(input_tensors, "input_tensors")
+        c = self._comm(t, "input_tensors[0]")
+        root = opts.rootRank if opts is not None else 0
+        outs = list(output_tensors[0]) if output_tensors else []
+        return self._run(c, "gather", outs, opts, lambda a: c.gather(t, outs or None, root, a))
+
+    def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],
+                opts: Any = None) -> StreamcollWork:
+        t = self._one(output_tensors, "output_tensors")
+        c = self._comm(t, "output_tensors[0]")
+        root = opts.rootRank if opts is not None else 0
+        ins = list(input_tensors[0]) if input_tensors else []
+        return self._run(c, "scatter", [t], opts, lambda a: c.scatter(t, ins or None, root, a))
+
+    def send(self, tensors: List[torch.Tensor], dstRank: int, tag: int = 0) -> StreamcollWork:
+        t = self._one(tensors, "tensors")
+        c = self._comm(t, "tensors[0]")
+        return self._work(c.isend(t, dstRank, tag), [t], "send")
+
+    def recv(self, tensors: List[torch.Tensor], srcRank: int, tag: int = 0) -> StreamcollWork:
+        t = self._one(tensors, "tensors")
+        c = self._comm(t, "tensors[0]")
+        return self._work(c.irecv(t, srcRank, tag), [t], "recv")
+
+    def barrier(self, opts: Any = None) -> StreamcollWork:
+        ids = list(getattr(opts, "device_ids", None) or [])
+        if ids and torch.cuda.is_available():
+            dev = torch.device("cuda", ids[0])
+        else:  # the device of the last collective (a barrier orders after it), else cpu
+            dev = self._last_device or torch.device("cpu")
+        c = self.communicator(dev)
+        return self._work(c.barrier(self._async(opts)), [], "barrier")
+
+    # -- coalescing (torch's _coalescing_manager with a device) -------------
+    def _grouped(self, c: Communicator, op: str, outputs: List[torch.Tensor], opts: Any,
+                 launches: List[Callable[[], Any]]) -> StreamcollWork:
+        if self._coalescing is not None:
+            for f in launches:
+                f()
+            self._coalescing[2].extend(outputs)
+            return self._work(None, outputs, op)
+        async_op = self._async(opts)
+        with c.coalescing(async_op=async_op) as h:
+            for f in launches:
+                f()
+        return self._work(h.work, outputs, op)
+
+    def start_coalescing(self, device: Any) -> None:
+        if self._coalescing is not None:
+            raise RuntimeError("start_coalescing: the streamcoll process group is already coalescing")
+        c = self.communicator(device)
+        cm = c.coalescing(async_op=True)
+        h = cm.__enter__()
+        self._coalescing = (cm, h, [])
+
+    def end_coalescing(self, device: Any) -> StreamcollWork:
+        if self._coalescing is None:
+            raise RuntimeError("end_coalescing: start_coalescing was not called")
+        cm, h, outs = self._coalescing
+        self._coalescing = None
+        cm.__exit__(None, None, None)
+        return self._work(h.work, outs, "coalesced")
+
+    _start_coalescing = start_coalescing
+    _end_coalescing = end_coalescing
+
+    # -- what streamcoll does not implement ----------------------------------
+    allgather_coalesced = _not_implemented("allgather_coalesced")
+    recv_anysource = _not_implemented("recv_anysource")
+    monitored_barrier = _not_implemented("monitored_barrier")
+    split_group = _not_implemented("split_group")
+    merge_remote_group = _not_implemented("merge_remote_group")
+
+    # -- lifecycle ----------------------------------------------------------
+    def shutdown(self) -> None:
+        """Destroy the communicators (idempotent); torch calls it from
+        ``destroy_process_group``."""
+        comms, self._comms = list(self._comms.values()), {}
+        for c in comms:
+            c.destroy()
+
+    def abort(self) -> None:
+        comms, self._comms = list(self._comms.values()), {}
+        for c in comms:
+            if not c.abort():
+                c._failed = c._failed or RuntimeError("process group aborted")
+
+
+def _opts_from(op: Any) -> Any:
+    """An AllreduceOptions for the ``allreduce(tensors, op)`` overload."""
+    o = dist.AllreduceOptions()
+    if op is not None:
+        o.reduceOp = op
+    return o
+
+
+def create_process_group(store: Any, rank: int, world_size: int, timeout: Optional[timedelta] = None
+                         ) -> ProcessGroupStreamcoll:
+    """The creator torch.distributed calls for ``backend="streamcoll"``."""
+    return ProcessGroupStreamcoll(store, rank, world_size, timeout)
+
+
+def register_backend() -> None:
+    """Register the ``"streamcoll"`` backend with torch.distributed (idempotent).
+
+    Registered without ``devices=``: with ``devices=["cpu"]`` torch 2.13's
+    DDP fails to construct ("No backend type associated with device type
+    cpu"); without it torch assumes cpu and cuda (and xpu where present) and
+    warns, a warning silenced here.
+    """
+    if not dist.is_available():
+        return
+    if BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dist.Backend.register_backend(BACKEND_NAME, create_process_group)

@@ -1,0 +1,343 @@
+"""The watchdog: no collective hangs silently.
+
+Design (the CPU case decides it). A synchronous CPU collective runs inline in
+the C call on the caller's thread: it cannot be interrupted from Python, and
+oneCCL 2022.2 has no abort (``onecclCommAbort`` is declared "not
+implemented"). Measured here: when a peer is SIGKILLed, the surviving ranks
+stay inside ``onecclAllReduce`` for good. Moving every call to a comm thread
+so that a waiter could time out would cost a thread hand-off on every call
+(tens of microseconds, against a ~10 us collective) and still leave the stuck
+thread and the communicator unusable. So streamcoll keeps the inline fast path
+and, like ProcessGroupNCCL's default error handling
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING``), one watchdog thread per process ends
+the process with a clear message when an operation outlives its
+communicator's timeout:
+
+- Every operation is in the flight recorder (:mod:`streamcoll.flight`) with
+  its state and start time; the watchdog looks at each live communicator's
+  recent entries every ``min(1 s, timeout / 10)``. A CPU entry still
+  ``running`` (inside the C call, inline or on the comm thread), or a GPU
+  async entry whose completion event has not fired, for longer than
+  ``timeout + grace`` (grace: 1 s, so that a ``Work.wait`` timing out at the
+  same moment raises first) is a hang.
+- On a hang it marks the communicator failed, writes the flight record
+  (``STREAMCOLL_FLIGHT_DIR``), prints what hung (op, sequence number, shapes,
+  rank, timeout) and what to do to stderr, aborts an NCCL communicator
+  (``ncclCommAbort``), and then, by default, ends the process with
+  ``os._exit(EXIT_CODE)`` (86): a launcher such as torchrun then sees a failed
+  rank and tears the job down. ``STREAMCOLL_WATCHDOG=fail`` keeps the
+  process (the communicator is marked failed and later calls raise; a thread
+  stuck inside oneCCL stays stuck); ``STREAMCOLL_WATCHDOG=off`` starts no
+  watchdog.
+- A communicator whose timeout was already reported to the caller
+  (``Work.wait(timeout)`` raised :class:`~streamcoll.CollectiveTimeout`) is
+  left to the caller: its later calls raise at once, and the process may end
+  normally. A normal exit while a oneCCL call is still running would crash in
+  the library's teardown (measured: SIGSEGV); :func:`skip_native_teardown`
+  registers a C ``on_exit`` handler that calls ``_exit(status)`` before the
+  libraries' destructors run, keeping the exit status.
+
+Init is watched the same way through :func:`guard` (a blocking
+``onecclCommInitRank`` whose peers never come would otherwise wait forever).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Dict, Iterator, List, Optional
+
+from . import flight
+from .errors import CollectiveTimeout
+
+__all__ = ["EXIT_CODE", "register", "handle_timeout", "skip_native_teardown", "guard", "mode", "Watchdog",
+           "WATCHDOG"]
+
+EXIT_CODE = 86
+GRACE_S = 1.0
+SCAN = 256  # newest entries of each communicator looked at per pass
+
+
+def mode() -> str:
+    """``exit`` (default), ``fail`` or ``off`` (``STREAMCOLL_WATCHDOG``)."""
+    m = os.environ.get("STREAMCOLL_WATCHDOG", "exit").strip().lower() or "exit"
+    if m in ("0", "false", "no"):
+        m = "off"
+    if m not in ("exit", "fail", "off"):
+        raise ValueError(f"STREAMCOLL_WATCHDOG: expected exit, fail or off, got {m!r}")
+    return m
+
+
+def _shapes(e: list) -> list:
+    return [tuple(s) if s is not None else None for s in flight._resolve_entry(e)["shapes"]]
+
+
+def _what_to_do(comm: Any) -> str:
+    if comm._backend.name == "nccl":
+        return ("the NCCL communicator was aborted (ncclCommAbort); create a new one "
+                "(or restart the job) to continue")
+    return ("oneCCL cannot abort a communicator, so the stuck call never returns: end the process "
+            "(a normal exit works) and restart the job; look for a rank that died, hung or called a "
+            "different collective")
+
+
+def _dump_quietly(comm: Any, reason: str) -> str:
+    try:
+        return flight.dump(comm, None, reason)
+    except Exception as e:  # a full disk must not hide the timeout itself
+        return f"(could not be written: {e})"
+
+
+def handle_timeout(comm: Any, op: str, seq: int, timeout: float, shapes: list) -> CollectiveTimeout:
+    """What a timeout reported to the caller does (``Work.wait``,
+    ``synchronize``): mark ``comm`` failed, dump its flight record, abort it
+    where the library can, and make a normal process exit safe. Returns the
+    :class:`CollectiveTimeout` to raise (it names the dump)."""
+    first = comm._failed is None
+    if first:
+        # Mark first: the dump then says "failed", and other threads' calls raise at once.
+        comm._failed = CollectiveTimeout(op, seq, timeout, shapes, comm._rank, comm._size)
+    path = _dump_quietly(comm, f"timeout of {op} #{seq}") if first else None
+    detail = _what_to_do(comm)
+    if path:
+        detail += f"; flight record: {path} (python -m streamcoll.flight analyze {os.path.dirname(path)})"
+    exc = CollectiveTimeout(op, seq, timeout, shapes, comm._rank, comm._size, detail)
+    if first:
+        comm._failed = exc
+        _after_failure(comm)
+    return exc
+
+
+def _after_failure(comm: Any) -> None:
+    if comm._backend.name == "nccl":
+        try:
+            comm.abort()
+        except Exception:
+            pass
+    elif not comm._gpu:
+        skip_native_teardown()
+
+
+# ------------------------------------------------------- exit without teardown
+_SKIP_LOCK = threading.Lock()
+_SKIP_REGISTERED = False
+_KEEP: List[Any] = []
+
+
+def skip_native_teardown() -> bool:
+    """Make the process's exit skip the native libraries' teardown, keeping
+    the exit status. Called once a native call can never return (oneCCL has
+    no abort): their C++ destructors would run under the stuck call and crash.
+
+    glibc's ``on_exit`` runs handlers newest first, before the destructors of
+    libraries loaded earlier, and passes the exit status: registering
+    ``_exit`` itself ends the process there, after Python's own finalisation
+    (atexit handlers, flushed ``sys.stdout``/``sys.stderr``). Elsewhere, a
+    Python ``atexit`` handler calls ``os._exit(1)``. Returns True if the C
+    handler is in place.
+    """
+    global _SKIP_REGISTERED
+    with _SKIP_LOCK:
+        if _SKIP_REGISTERED:
+            return True
+        _SKIP_REGISTERED = True
+        try:
+            import cffi
+            ffi = cffi.FFI()
+            ffi.cdef("int on_exit(void (*function)(int, void *), void *arg); void _exit(int);")
+            libc = ffi.dlopen(None)
+            fp = ffi.cast("void (*)(int, void *)", ffi.addressof(libc, "_exit"))
+            if libc.on_exit(fp, ffi.NULL) == 0:
+                _KEEP.append((ffi, libc, fp))
+                return True
+        except Exception:
+            pass
+        import atexit
+
+        def _hard_exit() -> None:
+            for s in (sys.stdout, sys.stderr):
+                try:
+                    s.flush()
+                except Exception:
+                    pass
+            os._exit(1)
+
+        atexit.register(_hard_exit)
+        return False
+
+
+# ------------------------------------------------------------------ the thread
+class Watchdog:
+    """One per process; started by the first communicator."""
+
+    def __init__(self) -> None:
+        self._comms: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._guards: Dict[int, list] = {}
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._wake = threading.Event()
+        self.fired: List[str] = []
+
+    def add(self, comm: Any) -> None:
+        if mode() == "off":
+            return
+        with self._lock:
+            self._comms.add(comm)
+            self._start()
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="streamcoll-watchdog", daemon=True)
+            self._thread.start()
+
+    def _interval(self, comms: List[Any]) -> float:
+        ts = [c.timeout for c in comms] + [g[2] for g in list(self._guards.values())]
+        return min([1.0] + [max(0.05, t / 10) for t in ts])
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                comms = [c for c in self._comms if not c._destroyed]
+            try:
+                self.check(comms)
+            except Exception as e:  # never let the watchdog die silently
+                print(f"streamcoll watchdog: internal error: {e!r}", file=sys.stderr, flush=True)
+            self._wake.wait(self._interval(comms))
+            self._wake.clear()
+
+    def check(self, comms: List[Any]) -> None:
+        now = flight.now_ns()
+        for g in list(self._guards.values()):
+            what, start, timeout, detail = g
+            if (now - start) / 1e9 > timeout + GRACE_S:
+                self._fire_guard(what, timeout, detail, (now - start) / 1e9)
+        for comm in comms:
+            if comm._destroyed or comm._failed is not None:
+                continue
+            fr = comm._flight
+            limit = comm.timeout + GRACE_S
+            cands = list(fr.recent(comm._seq, SCAN)) if comm._record else []
+            ia = comm._inflight_async
+            if ia is not None:
+                cands.append(ia)
+            for e in cands:
+                st = e[flight.STATE]
+                if st == flight.RUNNING:
+                    age = (now - (e[flight.T_START] or e[flight.T_ENQ])) / 1e9
+                elif st == flight.LAUNCHED and e[flight.EVENT] is not None:
+                    try:
+                        if e[flight.EVENT].query():
+                            e[flight.STATE] = flight.COMPLETED
+                            continue
+                    except Exception:
+                        continue
+                    age = (now - e[flight.T_ENQ]) / 1e9
+                else:
+                    continue
+                if age > limit:
+                    self._fire(comm, e, age)
+                    break
+            if comm._record and comm._failed is None:
+                fr.resolve(comm._seq)
+
+    # -- on a hang ---------------------------------------------------------
+    def _fire(self, comm: Any, e: list, age: float) -> None:
+        op, seq = e[flight.OP], e[flight.SEQ]
+        shapes = _shapes(e)
+        m = mode()
+        exc = CollectiveTimeout(op, seq, comm.timeout, shapes, comm._rank, comm._size,
+                                f"detected by the watchdog after {age:.1f} s")
+        comm._failed = exc
+        path = _dump_quietly(comm, f"watchdog: {op} #{seq} running for {age:.1f} s")
+        lines = [
+            "",
+            f"streamcoll watchdog: {op} (sequence number {seq}) on communicator {comm.name!r} "
+            f"({comm._backend.name}, {comm._device}) has not completed after {age:.1f} s "
+            f"(timeout {comm.timeout:g} s) on rank {comm._rank} of {comm._size}; tensor shapes {shapes}; "
+            f"strategy {e[flight.STRATEGY]}.",
+            "  Likely cause: another rank died, hung, or called a different collective (or the same one with "
+            "other shapes) at this point.",
+            f"  Flight record: {path}",
+            f"  Collect every rank's dump and run: python -m streamcoll.flight analyze "
+            f"{os.path.dirname(path) if os.path.isabs(path) else flight.default_dir()}",
+            f"  What to do: {_what_to_do(comm)}.",
+        ]
+        if m == "exit":
+            lines.append(f"  Ending this process now with exit code {EXIT_CODE} "
+                         f"(STREAMCOLL_WATCHDOG=fail keeps it running; the timeout is set per communicator "
+                         f"with streamcoll.init(timeout=...) or STREAMCOLL_TIMEOUT).")
+        else:
+            lines.append("  The communicator is marked failed: its later calls raise at once "
+                         "(STREAMCOLL_WATCHDOG=fail).")
+        msg = "\n".join(lines)
+        self.fired.append(msg)
+        try:
+            sys.stderr.write(msg + "\n")
+            sys.stderr.flush()
+        except Exception:
+            pass
+        if comm._backend.name == "nccl":
+            try:
+                comm.abort()
+            except Exception:
+                pass
+        if m == "exit":
+            _exit_now()
+        elif not comm._gpu:
+            skip_native_teardown()
+
+    def _fire_guard(self, what: str, timeout: float, detail: str, age: float) -> None:
+        msg = (f"\nstreamcoll watchdog: {what} has not completed after {age:.1f} s (timeout {timeout:g} s)"
+               + (f"; {detail}" if detail else "")
+               + ".\n  Likely cause: another rank did not start, died, or uses a different address/port."
+               + (f"\n  Ending this process now with exit code {EXIT_CODE}." if mode() == "exit" else ""))
+        self.fired.append(msg)
+        try:
+            sys.stderr.write(msg + "\n")
+            sys.stderr.flush()
+        except Exception:
+            pass
+        if mode() == "exit":
+            _exit_now()
+
+    # -- guards for calls outside a communicator (init) ---------------------
+    @contextlib.contextmanager
+    def guard(self, what: str, timeout: float, detail: str = "") -> Iterator[None]:
+        """Watch a blocking native call that is not a collective (init)."""
+        if mode() == "off":
+            yield
+            return
+        key = id(object())
+        with self._lock:
+            self._guards[key] = [what, flight.now_ns(), timeout, detail]
+            self._start()
+        self._wake.set()  # recompute the interval for this timeout
+        try:
+            yield
+        finally:
+            self._guards.pop(key, None)
+
+
+def _exit_now() -> None:
+    for s in (sys.stdout, sys.stderr):
+        try:
+            s.flush()
+        except Exception:
+            pass
+    os._exit(EXIT_CODE)
+
+
+WATCHDOG = Watchdog()
+
+
+def register(comm: Any) -> None:
+    """Watch ``comm`` (called by ``Communicator.__init__``)."""
+    WATCHDOG.add(comm)
+    WATCHDOG._wake.set()  # a shorter timeout shortens the polling interval at once
+
+
+def guard(what: str, timeout: float, detail: str = ""):
+    return WATCHDOG.guard(what, timeout, detail)

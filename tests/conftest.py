@@ -1,0 +1,100 @@
+"""Shared fixtures: library gates and pools of real rank processes.
+
+Tiers: plain unit tests; library-gated tests (``needs_oneccl``/``needs_nccl``
+skip with the reason where a library does not load); multi-process tests
+(``world2``/``world3``/``world`` fixtures: real oneCCL across spawned ranks,
+kept per session and replaced after a failure); GPU tests (``cuda`` marker,
+skipped without a CUDA device).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("CCL_KVS_IFACE", "lo")
+os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+
+from world import World  # noqa: E402
+
+
+def _loads(name: str):
+    from streamcoll.backends import get_backend
+    b = get_backend(name).binding
+    try:
+        b.lib()
+        return True, ""
+    except Exception as e:  # LibraryNotFoundError: its message lists the places tried
+        return False, str(e)
+
+
+_ONECCL_OK, _ONECCL_WHY = _loads("oneccl")
+_NCCL_OK, _NCCL_WHY = _loads("nccl")
+
+needs_oneccl = pytest.mark.skipif(not _ONECCL_OK, reason=f"oneCCL not loadable: {_ONECCL_WHY}")
+needs_nccl = pytest.mark.skipif(not _NCCL_OK, reason=f"NCCL not loadable: {_NCCL_WHY}")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU (none here)")
+    has_cuda = _has_cuda()
+    for item in items:
+        if "cuda" in item.keywords and not has_cuda:
+            item.add_marker(skip_cuda)
+        fixtures = getattr(item, "fixturenames", ())
+        if any(f in fixtures for f in ("world", "world2", "world3")) or "world" in item.keywords:
+            # All multi-process tests on one xdist worker, one at a time: the
+            # machine has 2 cores and spinning ranks must not oversubscribe.
+            item.add_marker(pytest.mark.xdist_group("world"))
+            item.add_marker(pytest.mark.world)
+
+
+_WORLDS = {}
+
+
+def get_world(size: int, **kwargs) -> World:
+    """A live world of ``size`` ranks, reused across tests (replaced if a
+    previous test killed it)."""
+    key = (size, tuple(sorted((kwargs.get("env") or {}).items())))
+    w = _WORLDS.get(key)
+    if w is None or not w.alive or not w.conns:
+        if not _ONECCL_OK:
+            pytest.skip(f"oneCCL not loadable: {_ONECCL_WHY}")
+        w = _WORLDS[key] = World(size, **kwargs)
+    return w
+
+
+@pytest.fixture
+def world2():
+    return get_world(2)
+
+
+@pytest.fixture
+def world3():
+    return get_world(3)
+
+
+@pytest.fixture(params=[2, 3], ids=["w2", "w3"])
+def world(request):
+    return get_world(request.param)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for w in _WORLDS.values():
+        try:
+            w.close()
+        except Exception:
+            pass
+    _WORLDS.clear()

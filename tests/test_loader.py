@@ -1,0 +1,293 @@
+"""Finding the native libraries: the documented search order, the error that
+lists every place tried, import without either library, and
+``python -m streamcoll info``.
+
+What must not see an already-loaded library runs in a child interpreter
+(``run_child``): the pytest process has oneCCL mapped (conftest loads it), and
+a fresh binding would find it through /proc/self/maps. Nothing is mocked: the
+children dlopen (or fail to dlopen) real files.
+"""
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, Optional
+
+import pytest
+
+import streamcoll
+from streamcoll import env as sc_env
+from streamcoll._ffi import nccl as nccl_mod
+from streamcoll._ffi import oneccl as oneccl_mod
+from streamcoll.errors import LibraryNotFoundError
+
+from conftest import needs_nccl, needs_oneccl
+
+REPO = Path(__file__).resolve().parent.parent
+PKG = Path(streamcoll.__file__).resolve().parent
+_MARK = "@@streamcoll-child-result@@"
+
+# Runs before the child's code when bare=True: torch cannot be imported, and
+# the package ``streamcoll`` is an empty module whose __path__ is the real
+# package folder, so ``import streamcoll._ffi.oneccl`` executes the real
+# _ffi and errors modules without streamcoll/__init__.py (which imports torch).
+_BARE_PRELUDE = f"""
+import importlib.abc, sys, types
+class _BlockTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked in this child (import of " + name + ")")
+        return None
+sys.meta_path.insert(0, _BlockTorch())
+_pkg = types.ModuleType("streamcoll")
+_pkg.__path__ = [{str(PKG)!r}]
+sys.modules["streamcoll"] = _pkg
+"""
+
+
+def child_env(extra: Optional[Dict[str, str]] = None, drop_prefixes=("CCL_", "FI_", "NCCL_", "STREAMCOLL_")) -> Dict[str, str]:
+    """This process's environment without library settings other tests may
+    have left, plus loopback-only networking and ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop_prefixes)}
+    env.pop("LD_LIBRARY_PATH", None)
+    env.update({"PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "CCL_KVS_IFACE": "lo",
+                "NCCL_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+    env.update(extra or {})
+    return env
+
+
+def run_child(code: str, env: Optional[Dict[str, str]] = None, bare: bool = True, timeout: float = 120.0):
+    """Run ``code`` in a fresh interpreter; it leaves its answer in a
+    variable ``result``, which comes back unpickled (exceptions included:
+    they cross the process boundary as they would in a launcher)."""
+    script = (_BARE_PRELUDE if bare else "") + code + (
+        "\nimport base64 as _b, pickle as _p\n"
+        f"print({_MARK!r} + _b.b64encode(_p.dumps(result)).decode())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], env=env if env is not None else child_env(),
+                       capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
+    for line in r.stdout.splitlines():
+        if line.startswith(_MARK):
+            return pickle.loads(base64.b64decode(line[len(_MARK):]))
+    raise AssertionError(f"child failed (rc {r.returncode}):\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-6000:]}")
+
+
+def _nowhere(tmp_path: Path) -> Dict[str, str]:
+    """Environment in which no oneCCL can be found: explicit paths that do
+    not exist, and HOME/STREAMCOLL_HOME (where set-up puts the runtime) empty."""
+    home = tmp_path / "home"
+    home.mkdir()
+    return child_env({
+        "STREAMCOLL_ONECCL_LIBRARY": "/nonexistent/libccl.so.2",
+        "STREAMCOLL_NCCL_LIBRARY": "/nonexistent/libnccl.so.2",
+        "HOME": str(home), "STREAMCOLL_HOME": str(home / "sc"), "XDG_CACHE_HOME": str(home / "cache"),
+    })
+
+
+# ---- the error when nothing is found --------------------------------------------
+def test_missing_library_lists_every_place_tried_and_the_install_command(tmp_path):
+    res = run_child("""
+from streamcoll._ffi.oneccl import _Oneccl
+from streamcoll.errors import LibraryNotFoundError
+b = _Oneccl()
+result = {"candidates": b.candidates()}
+try:
+    b.lib()
+except LibraryNotFoundError as e:
+    result["error"] = e
+try:
+    b.lib()
+except LibraryNotFoundError as e:
+    result["same_again"] = e is result["error"]
+result["available"] = b.is_available()
+result["maps"] = "libccl.so" in open("/proc/self/maps").read()
+""", env=_nowhere(tmp_path))
+    e = res["error"]
+    assert isinstance(e, LibraryNotFoundError) and isinstance(e, streamcoll.CollectiveError)
+    assert e.library == "oneccl"
+    # One entry per candidate, in search order, each saying why it failed.
+    cands = res["candidates"]
+    assert len(e.tried) == len(cands) >= 6
+    for (desc, path), line in zip(cands, e.tried):
+        assert line.startswith(f"{desc}: "), (desc, line)
+        if path:
+            assert path in line
+    assert e.tried[0] == "$STREAMCOLL_ONECCL_LIBRARY: /nonexistent/libccl.so.2: no such file"
+    assert any(t.startswith("streamcoll runtime: ") and str(tmp_path) in t and t.endswith("no such file")
+               for t in e.tried)
+    assert e.tried[-1].startswith("system loader: libccl.so.2: ")
+    assert "loaded" not in " ".join(e.tried)
+    msg = str(e)
+    assert "could not load the oneccl library; tried, in order:" in msg
+    assert all(f"{i}. {t}" in msg for i, t in enumerate(e.tried, 1))
+    assert "install it with: bash scripts/setup.sh" in msg and e.hint in msg
+    assert res["same_again"] is True  # cached: the search runs once
+    assert res["available"] is False and res["maps"] is False
+
+
+def test_import_streamcoll_without_either_library(tmp_path):
+    """Import loads nothing; is_available says no; using oneCCL raises the
+    listed-places error. (NCCL's wheel is in site-packages here, so NCCL can
+    only be shown not loaded at import, not absent.)"""
+    res = run_child("""
+import streamcoll
+from streamcoll._ffi.oneccl import ONECCL
+from streamcoll._ffi.nccl import NCCL
+maps = open("/proc/self/maps").read()
+result = {"maps_ccl": "libccl.so" in maps, "maps_nccl": "libnccl.so" in maps,
+          "loaded": (ONECCL._lib, NCCL._lib), "tried_before": list(ONECCL.tried)}
+result["available"] = streamcoll.is_available("oneccl")
+try:
+    streamcoll.new_communicator(backend="oneccl", device="cpu", rank=0, world_size=1,
+                                store=__import__("torch").distributed.HashStore())
+except streamcoll.LibraryNotFoundError as e:
+    result["error"] = e
+""", env=_nowhere(tmp_path), bare=False)
+    assert res["maps_ccl"] is False and res["maps_nccl"] is False
+    assert res["loaded"] == (None, None) and res["tried_before"] == []
+    assert res["available"] is False
+    assert isinstance(res["error"], LibraryNotFoundError)
+    assert res["error"].tried[0].startswith("$STREAMCOLL_ONECCL_LIBRARY: /nonexistent")
+
+
+# ---- candidates that exist but are wrong, and the env var forms ------------------
+@needs_nccl
+@needs_oneccl
+def test_a_wrong_file_is_passed_over_with_its_reason(monkeypatch):
+    wrong = oneccl_mod.ONECCL.path  # a real shared library that is not NCCL
+    monkeypatch.setenv("STREAMCOLL_NCCL_LIBRARY", wrong)
+    b = nccl_mod._Nccl()
+    b.lib()
+    assert b.tried[0].startswith(f"$STREAMCOLL_NCCL_LIBRARY: {wrong}: ")
+    assert "ncclGetVersion" in b.tried[0]
+    assert b.tried[-1].endswith(": loaded") and b.path.endswith("libnccl.so.2")
+    assert b.version() == 23203
+
+
+@needs_nccl
+@pytest.mark.parametrize("form", ["file", "folder"])
+def test_env_var_takes_a_file_or_its_folder(monkeypatch, form):
+    nccl_mod.NCCL.lib()
+    real = Path(nccl_mod.NCCL.path)
+    monkeypatch.setenv("STREAMCOLL_NCCL_LIBRARY", str(real if form == "file" else real.parent))
+    b = nccl_mod._Nccl()
+    b.lib()
+    assert b.tried == [f"$STREAMCOLL_NCCL_LIBRARY: {real}: loaded"]
+    assert b.path == os.path.realpath(real)
+
+
+# ---- the documented order is the order searched -----------------------------------
+# A phrase of each place as the module docstrings name it, and how candidates()
+# describes it.
+_PLACES = [
+    ("env", r"\$STREAMCOLL_(NCCL|ONECCL)_LIBRARY", r"^\$STREAMCOLL_(NCCL|ONECCL)_LIBRARY$"),
+    ("loaded", r"already mapped into this process", r"^already loaded in this process$"),
+    ("wheel", r"Python wheels", r"^wheel "),
+    ("NCCL_HOME", r"\$NCCL_HOME/lib", r"^\$NCCL_HOME/lib$"),
+    ("CUDA_HOME", r"\$CUDA_HOME/lib64", r"^\$CUDA_HOME/lib64$"),
+    ("CCL_ROOT", r"\$CCL_ROOT/lib", r"^\$CCL_ROOT/lib$"),
+    ("oneapi", r"/opt/intel/oneapi/ccl/latest/lib", r"^oneAPI default$"),
+    ("runtime", r"\$STREAMCOLL_HOME/oneccl/lib", r"^streamcoll runtime$"),
+    ("system", r"system loader", r"^system loader$"),
+]
+
+
+def _documented_order(doc: str):
+    lines = doc.splitlines()
+    start = next((i for i, ln in enumerate(lines) if "search order" in ln.lower()), None)
+    assert start is not None, "no 'search order' list in the module docstring"
+    block = []
+    for ln in lines[start + 1:]:
+        if not ln.strip():
+            if block:
+                break
+            continue
+        block.append(ln)
+    items = re.split(r"\n(?=\d+\. )", "\n".join(block))
+    order = []
+    for n, item in enumerate(items, 1):
+        assert item.startswith(f"{n}. "), f"search order item {n} is numbered wrongly: {item[:40]!r}"
+        hits = sorted((mm.start(), key) for key, doc_re, _ in _PLACES for mm in [re.search(doc_re, item)] if mm)
+        assert hits, f"search order item {n} names no known place: {item!r}"
+        order += [key for _, key in hits]
+    return order
+
+
+def _searched_order(binding):
+    order = []
+    for desc, _ in binding.candidates():
+        keys = [key for key, _, c_re in _PLACES if re.search(c_re, desc)]
+        assert len(keys) == 1, f"candidate {desc!r} matches {keys}"
+        if not order or order[-1] != keys[0]:
+            order.append(keys[0])
+    return order
+
+
+@pytest.mark.parametrize("mod", [nccl_mod, oneccl_mod], ids=["nccl", "oneccl"])
+def test_documented_search_order_is_candidates_order(mod, monkeypatch, tmp_path):
+    # Every conditional place present: the env vars set (to files that do
+    # not exist; candidates() only lists) and the library mapped here.
+    for var in ("STREAMCOLL_NCCL_LIBRARY", "STREAMCOLL_ONECCL_LIBRARY", "NCCL_HOME", "CUDA_HOME", "CCL_ROOT"):
+        monkeypatch.setenv(var, str(tmp_path / var))
+    binding = mod.binding
+    if not binding.is_available():
+        pytest.skip(f"{binding.name} not loadable: 'already loaded' cannot be listed")
+    documented = _documented_order(mod.__doc__)
+    searched = _searched_order(binding)
+    assert searched == documented, f"docstring says {documented}, candidates() searches {searched}"
+
+
+# ---- python -m streamcoll info ----------------------------------------------------
+def _info(env: Dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "streamcoll", "info"], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=str(REPO))
+
+
+def _info_here(capsys) -> str:
+    """The report from this process (the libraries conftest loaded)."""
+    from streamcoll.__main__ import main
+    assert main(["info"]) == 0
+    return capsys.readouterr().out
+
+
+@needs_oneccl
+@needs_nccl
+def test_info_reports_paths_versions_places_and_environment(capsys, monkeypatch):
+    for name in sc_env.RELEVANT:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CCL_WORKER_OFFLOAD", "1")
+    before = dict(os.environ)
+    out = _info_here(capsys)
+    assert dict(os.environ) == before  # computing the defaults left no trace
+    one, nccl = out.split("\noneccl:\n", 1)[1].split("\nnccl:\n", 1)
+    assert "status: loaded" in one and "version: 2022.2.0 (20220200)" in one
+    assert f"path: {oneccl_mod.ONECCL.path}" in one
+    assert "1. $STREAMCOLL_ONECCL_LIBRARY: not set" in one and ": loaded" in one
+    assert "version: 2.32.3 (23203)" in nccl and f"path: {nccl_mod.NCCL.path}" in nccl
+    assert "system loader" in nccl  # listed though not reached
+    for name in sc_env.RELEVANT:
+        assert re.search(rf"^  {name}(=| \(not set\))", out, re.M), name
+    assert "  CCL_WORKER_OFFLOAD=1\n" in out  # the user's value, shown
+    defaults = out.split("defaults streamcoll applies", 1)[1]
+    assert "CCL_ATL_SHM=1" in defaults and "FI_PROVIDER=shm" in defaults
+    assert "CCL_WORKER_OFFLOAD" not in defaults  # set by the user: not overridden
+
+
+def test_info_with_defaults_off(capsys, monkeypatch):
+    monkeypatch.setenv("STREAMCOLL_NO_ENV_DEFAULTS", "1")
+    assert "defaults: off (STREAMCOLL_NO_ENV_DEFAULTS is set)" in _info_here(capsys)
+
+
+def test_info_without_libraries_prints_the_error_and_exits_0(tmp_path):
+    r = _info(_nowhere(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    one = r.stdout.split("\noneccl:\n", 1)[1].split("\nnccl:\n", 1)[0]
+    assert "status: NOT FOUND" in one
+    assert "1. $STREAMCOLL_ONECCL_LIBRARY: /nonexistent/libccl.so.2: no such file" in one
+    assert "install it with: bash scripts/setup.sh" in one

@@ -1,0 +1,256 @@
+"""The "streamcoll" torch.distributed backend: collectives through the
+torch.distributed API, and DDP on it against DDP on gloo.
+
+Each test initialises a process group on the ranks of the shared world (which
+also hold streamcoll's default communicator, as a real program may) with a
+free loopback port chosen in the parent, and destroys it at the end.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import streamcoll
+from streamcoll.process_group import ProcessGroupStreamcoll, StreamcollWork
+
+from conftest import get_world, needs_oneccl
+from world import free_port
+
+pytestmark = [needs_oneccl, pytest.mark.world]
+
+
+def _init(backend: str, port: int, rank: int, size: int) -> None:
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=60))
+
+
+# ---------------------------------------------------------------- workers
+def _collectives(comm, port):
+    r, n = comm.rank, comm.size
+    _init("streamcoll", port, r, n)
+    out = {}
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        out["type"] = type(pg).__name__
+        out["backend"] = dist.get_backend()
+        out["name"] = pg.name()
+
+        t = torch.full((4,), float(r + 1))
+        dist.all_reduce(t)
+        out["all_reduce"] = t.tolist()
+
+        t = torch.full((4,), float(r + 1))
+        w = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
+        fut_val = w.get_future().wait()
+        out["async_max"] = (t.tolist(), [x.tolist() for x in fut_val], w.is_completed(), type(w).__name__)
+        w.wait()
+
+        t = torch.full((3,), float(r + 1))
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        out["avg"] = t.tolist()
+
+        t = torch.full((2,), float(r + 5))
+        dist.broadcast(t, src=n - 1)
+        out["broadcast"] = t.tolist()
+
+        t = torch.full((2,), float(r + 1))
+        dist.reduce(t, dst=0, op=dist.ReduceOp.SUM)
+        out["reduce"] = t.tolist()
+
+        lst = [torch.empty(2) for _ in range(n)]
+        dist.all_gather(lst, torch.full((2,), float(r)))
+        out["all_gather"] = [x.tolist() for x in lst]
+
+        o = torch.empty(2 * n)
+        dist.all_gather_into_tensor(o, torch.full((2,), float(r)))
+        out["all_gather_into_tensor"] = o.tolist()
+
+        o = torch.empty(2)
+        dist.reduce_scatter(o, [torch.full((2,), float(r + k)) for k in range(n)])
+        out["reduce_scatter"] = o.tolist()
+
+        o = torch.empty(2)
+        dist.reduce_scatter_tensor(o, torch.arange(2 * n, dtype=torch.float32) + r)
+        out["reduce_scatter_tensor"] = o.tolist()
+
+        o = torch.empty(n)
+        dist.all_to_all_single(o, torch.arange(n, dtype=torch.float32) + 10 * r)
+        out["all_to_all_single"] = o.tolist()
+
+        # uneven: rank r sends k+1 elements to rank k
+        send = [k + 1 for k in range(n)]
+        recv = [r + 1] * n
+        o = torch.empty(sum(recv))
+        dist.all_to_all_single(o, torch.full((sum(send),), float(r)), recv, send)
+        out["all_to_all_uneven"] = o.tolist()
+
+        outs = [torch.empty(1) for _ in range(n)]
+        dist.all_to_all(outs, [torch.full((1,), float(10 * r + k)) for k in range(n)])
+        out["all_to_all"] = [x.item() for x in outs]
+
+        g = [torch.empty(1) for _ in range(n)] if r == 0 else None
+        dist.gather(torch.full((1,), float(r)), g, dst=0)
+        out["gather"] = None if g is None else [x.item() for x in g]
+
+        s = torch.empty(1)
+        dist.scatter(s, [torch.full((1,), float(k * 7)) for k in range(n)] if r == 0 else None, src=0)
+        out["scatter"] = s.item()
+
+        if r == 0:
+            dist.send(torch.full((2,), 42.0), dst=1)
+        elif r == 1:
+            x = torch.empty(2)
+            dist.recv(x, src=0)
+            out["recv"] = x.tolist()
+
+        with dist.distributed_c10d._coalescing_manager(async_ops=True) as cm:
+            a = torch.full((2,), float(r))
+            b = torch.full((3,), float(2 * r))
+            dist.all_reduce(a)
+            dist.all_reduce(b)
+        cm.wait()
+        out["coalesced"] = (a.tolist(), b.tolist())
+
+        dist.barrier()
+
+        errors = []
+        for call in (lambda: dist.recv(torch.empty(1)),                 # any source
+                     lambda: pg.monitored_barrier(timedelta(seconds=5)),
+                     lambda: pg.allgather_coalesced([[torch.empty(1)]], [torch.empty(1)])):
+            try:
+                call()
+                errors.append(None)
+            except NotImplementedError as e:
+                errors.append(str(e))
+        out["not_implemented"] = errors
+        try:
+            dist.all_reduce(torch.ones(2, device="meta"))
+        except (ValueError, RuntimeError) as e:
+            out["meta"] = str(e)
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def _ddp_train(comm, backend: str, port: int, steps: int, bucket_cap_mb: float):
+    """Train a small MLP with DDP over ``backend``; returns the parameters."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    r, n = comm.rank, comm.size
+    _init(backend, port, r, n)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                                    torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        if r == 1:  # DDP's initial broadcast must overwrite this
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+        ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        g = torch.Generator().manual_seed(1000 + r)
+        for _ in range(steps):
+            x = torch.randn(8, 16, generator=g)
+            y = torch.randn(8, 4, generator=g)
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def w2():
+    return get_world(2)
+
+
+def test_registered_on_import():
+    assert "STREAMCOLL" in dist.Backend._plugins
+    assert dist.Backend.STREAMCOLL == "streamcoll"
+    assert dist.Backend("streamcoll") == "streamcoll"
+
+
+def test_collectives_through_torch_distributed(w2):
+    n = 2
+    res = w2.run(_collectives, free_port(), timeout=120)
+    for r, out in enumerate(res):
+        assert out["type"] == "ProcessGroupStreamcoll" and out["backend"] == "streamcoll"
+        assert out["name"] == "streamcoll"
+        assert out["all_reduce"] == [3.0] * 4
+        t, fut, done, wtype = out["async_max"]
+        assert t == [2.0] * 4 and fut == [[2.0] * 4] and done is True and wtype == "StreamcollWork"
+        assert out["avg"] == [1.5] * 3
+        assert out["broadcast"] == [float(n - 1 + 5)] * 2
+        assert out["reduce"] == ([3.0, 3.0] if r == 0 else [float(r + 1)] * 2)
+        assert out["all_gather"] == [[float(k)] * 2 for k in range(n)]
+        assert out["all_gather_into_tensor"] == [float(k) for k in range(n) for _ in range(2)]
+        assert out["reduce_scatter"] == [float(sum(k + r for k in range(n)))] * 2
+        full = sum(torch.arange(2 * n, dtype=torch.float32) + k for k in range(n))
+        assert out["reduce_scatter_tensor"] == full[2 * r:2 * r + 2].tolist()
+        assert out["all_to_all_single"] == [float(10 * k + r) for k in range(n)]
+        assert out["all_to_all_uneven"] == [float(k) for k in range(n) for _ in range(r + 1)]
+        assert out["all_to_all"] == [float(10 * k + r) for k in range(n)]
+        assert out["gather"] == ([float(k) for k in range(n)] if r == 0 else None)
+        assert out["scatter"] == float(r * 7)
+        if r == 1:
+            assert out["recv"] == [42.0, 42.0]
+        assert out["coalesced"] == ([1.0, 1.0], [2.0, 2.0, 2.0])
+        ni = out["not_implemented"]
+        assert ni[0] is not None and "recv_anysource" in ni[0]
+        assert ni[1] is not None and "monitored_barrier" in ni[1]
+        assert ni[2] is not None and "allgather_coalesced" in ni[2]
+        assert "cpu, cuda and xpu" in out["meta"]
+
+
+# Tolerance: with 2 ranks both backends compute each averaged gradient as
+# (g0 + g1) / 2 up to the order of two additions and an exact division by 2,
+# so the parameters agree to float32 rounding; the bound leaves room for one
+# ulp-level difference compounded over the steps.
+RTOL, ATOL = 1e-6, 1e-6
+
+
+@pytest.mark.slow
+def test_ddp_matches_gloo(w2):
+    steps = 6
+    gloo = w2.run(_ddp_train, "gloo", free_port(), steps, 0.001, timeout=180)
+    sc = w2.run(_ddp_train, "streamcoll", free_port(), steps, 0.001, timeout=180)
+    for r in range(2):
+        for a, b in zip(sc[r], gloo[r]):
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    # DDP kept the ranks in sync (and really trained: parameters moved).
+    for a, b in zip(sc[0], sc[1]):
+        assert torch.equal(a, b)
+    torch.manual_seed(0)
+    init = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                               torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    assert not torch.equal(sc[0][0], init[0].weight.detach())
+
+
+def test_work_wrapper_semantics():
+    """StreamcollWork over an already-completed collective (work=None)."""
+    t = torch.ones(2)
+    w = StreamcollWork(None, [t], "allreduce")
+    assert w.is_completed() and w.is_success() and w.exception() is None
+    assert w.wait() is True
+    assert w.get_future().value()[0] is t
+    assert w.result()[0] is t
+    assert isinstance(w, dist.Work)
+
+
+def test_bad_arguments_raise_before_any_call():
+    pg = ProcessGroupStreamcoll(dist.HashStore(), 0, 1, timedelta(seconds=5))
+    with pytest.raises(ValueError, match="exactly one tensor"):
+        pg.allreduce([torch.ones(1), torch.ones(1)], dist.AllreduceOptions())
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        pg.broadcast(["x"], dist.BroadcastOptions())
+    with pytest.raises(ValueError, match="cpu, cuda and xpu"):
+        pg.allreduce([torch.ones(1, device="meta")], dist.AllreduceOptions())
+    with pytest.raises(NotImplementedError, match="split_group"):
+        pg.split_group([0])
+    assert pg.getBackendName() == "streamcoll" and pg.rank() == 0 and pg.size() == 1
