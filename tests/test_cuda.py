@@ -1,0 +1,154 @@
+"""GPU tier (issue 4): the two launch strategies on CUDA with a one-rank NCCL
+communicator (one GPU cannot host two NCCL ranks). With one rank NCCL's
+all_gather is a device copy, which makes stream ordering observable: the
+output equals the input only if the copy ran after the kernels that wrote
+the input and before the kernels that read the output.
+
+Skipped (with the reason) where there is no CUDA device.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import streamcoll
+
+pytestmark = pytest.mark.cuda
+
+SLEEP_CYCLES = 200_000_000  # ~0.1 s on an H200: long enough to expose missing waits
+
+
+@pytest.fixture(scope="module")
+def comm():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    import torch.distributed as dist
+    c = streamcoll.new_communicator(backend="nccl", device="cuda:0", rank=0, world_size=1,
+                                    store=dist.HashStore(), name="cuda-test")
+    yield c
+    c.destroy()
+
+
+def _sleep_then_fill(x: torch.Tensor, value: float) -> None:
+    torch.cuda._sleep(SLEEP_CYCLES)
+    x.fill_(value)
+
+
+def test_sync_is_ordered_on_the_current_stream(comm):
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        inp = torch.zeros(1 << 20, device="cuda")
+        out = torch.full((1 << 20,), -1.0, device="cuda")
+        _sleep_then_fill(inp, 3.0)  # a long kernel writes the input
+        assert comm.all_gather_into_tensor(out, inp) is None
+        res = out * 2  # a kernel on the same stream reads the result
+        # No event, no cross-stream wait: the collective went on this stream.
+        assert comm._lanes == {} or all(k != s.cuda_stream for k in comm._lanes)
+    s.synchronize()
+    assert torch.all(res == 6.0)
+
+
+def test_sync_on_the_default_stream(comm):
+    # The legacy default stream (handle 0) is resolved and used as is.
+    assert torch.cuda.current_stream().cuda_stream == 0
+    inp = torch.zeros(4096, device="cuda")
+    out = torch.empty(4096, device="cuda")
+    _sleep_then_fill(inp, 5.0)
+    comm.all_gather_into_tensor(out, inp)
+    assert torch.all(out * 1 == 5.0)
+
+
+def test_async_waits_for_inputs_and_overlaps(comm):
+    inp = torch.zeros(1 << 20, device="cuda")
+    out = torch.empty(1 << 20, device="cuda")
+    _sleep_then_fill(inp, 7.0)  # on the current stream
+    w = comm.all_gather_into_tensor(out, inp, async_op=True)
+    # The comm stream waited on the current stream's event: result is 7, not 0.
+    w.wait()
+    assert torch.all(out == 7.0)
+    # Overlap: a long kernel on another stream does not hold the collective back.
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        torch.cuda._sleep(SLEEP_CYCLES * 10)
+    w2 = comm.all_gather_into_tensor(out, inp, async_op=True)
+    w2.synchronize()
+    assert not other.query(), "the collective had to wait for an unrelated stream"
+    other.synchronize()
+
+
+def test_comm_stream_cache_per_current_stream(comm):
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    x = torch.ones(16, device="cuda")
+    got = {}
+    for s in (a, b, a):
+        with torch.cuda.stream(s):
+            comm.all_reduce(x, async_op=True).wait()
+            got.setdefault(s.cuda_stream, []).append(comm.comm_stream())
+    assert got[a.cuda_stream][0] is got[a.cuda_stream][1]
+    assert got[a.cuda_stream][0] is not got[b.cuda_stream][0]
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("record_stream", [False, True], ids=["stash", "record_stream"])
+def test_no_use_after_free(comm, record_stream):
+    comm.record_stream = record_stream
+    try:
+        with torch.cuda.stream(comm.comm_stream()):
+            torch.cuda._sleep(SLEEP_CYCLES)  # keep the comm stream busy
+        inp = torch.full((1 << 20,), 9.0, device="cuda")
+        out = torch.empty(1 << 20, device="cuda")
+        w = comm.all_gather_into_tensor(out, inp, async_op=True)
+        del inp  # the caller drops its input while the copy is queued
+        poison = torch.full((1 << 20,), -1.0, device="cuda")  # same size: reuses freed memory if unprotected
+        w.wait()
+        assert torch.all(out == 9.0)
+        del poison
+    finally:
+        comm.record_stream = False
+    torch.cuda.synchronize()
+
+
+def test_stash_releases_after_wait_and_reaper(comm):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    x = torch.ones(1 << 22, device="cuda")
+    w = comm.all_reduce(x, async_op=True)
+    del x
+    held = torch.cuda.memory_allocated()
+    assert held >= base + (1 << 22) * 4, "the Work must hold the tensor until waited"
+    w.wait()
+    del w
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= base + 4096
+    # Never waited: the reaper drops it once the completion event fired.
+    y = torch.ones(1 << 22, device="cuda")
+    w2 = comm.all_reduce(y, async_op=True)
+    del y
+    torch.cuda.synchronize()
+    from streamcoll.work import REAPER
+    REAPER.reap()
+    del w2
+    assert torch.cuda.memory_allocated() <= base + 4096
+
+
+def test_graph_capture_and_replay(comm):
+    inp = torch.zeros(1024, device="cuda")
+    out = torch.zeros(1024, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up outside capture
+        comm.all_gather_into_tensor(out, inp)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        comm.all_gather_into_tensor(out, inp)
+        with pytest.raises(RuntimeError, match="capture"):
+            comm.all_reduce(inp, async_op=True)
+    for v in (1.0, 2.0, 3.0):
+        inp.fill_(v)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.all(out == v)
