@@ -45,7 +45,11 @@ import os, site
 paths = [p for p in sys.path if p and os.path.isdir(p)]
 def has(rel): return any(os.path.exists(os.path.join(p, rel)) for p in paths)
 if not has("nvidia/nccl/lib/libnccl.so.2"): missing.append("nvidia-nccl-cu12==2.32.3")
+# CUDA headers for the ABI check of nccl.h (no CUDA toolkit needed): the
+# runtime wheel's cuda_runtime.h needs crt/ (nvcc wheel) and <nv/target> (cccl).
 if not has("nvidia/cuda_runtime/include/cuda_runtime.h"): missing.append("nvidia-cuda-runtime-cu12")
+if not has("nvidia/cuda_nvcc/include/crt/host_config.h"): missing.append("nvidia-cuda-nvcc-cu12")
+if not has("nvidia/cuda_cccl/include/nv/target"): missing.append("nvidia-cuda-cccl-cu12")
 print(" ".join(missing))
 PYEOF
 read -r -a need < /tmp/streamcoll-missing.$$ || true

@@ -316,8 +316,11 @@ def _nccl_candidates() -> Tuple[List[Tuple[str, Path]], List[Tuple[str, List[Pat
     for d in site_dirs():
         nv = d / "nvidia"
         # The runtime wheel's cuda_runtime.h needs crt/host_config.h, which
-        # the nvcc (CUDA 12) or crt (CUDA 13) wheel ships.
-        extra = [p for p in (nv / "cuda_nvcc" / "include", nv / "cuda_crt" / "include", nv / "cu13" / "include")
+        # the nvcc (CUDA 12) or crt (CUDA 13) wheel ships, and cuda_fp16.h
+        # needs <nv/target> from the cccl wheel (scripts/setup.sh installs
+        # nvidia-cuda-{runtime,nvcc,cccl}-cu12 so no CUDA toolkit is needed).
+        extra = [p for p in (nv / "cuda_nvcc" / "include", nv / "cuda_crt" / "include",
+                             nv / "cuda_cccl" / "include", nv / "cu13" / "include")
                  if p.is_dir()]
         cuda.append((f"wheel {d} nvidia/cuda_runtime", [nv / "cuda_runtime" / "include"] + extra))
     return nccl, cuda
