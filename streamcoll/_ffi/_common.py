@@ -194,11 +194,23 @@ class Binding:
         return self.result_names.get(code, f"unknown result {code}")
 
     def error(self, function: str, code: int, comm=None):
-        """The exception for ``function`` returning ``code``."""
+        """The exception for ``function`` returning ``code``.
+
+        Both libraries keep one process-wide last-error text that no call
+        clears, so a failure that does not set it would carry the previous
+        one's text: when the text is the same as at the previous error, it is
+        marked as possibly stale."""
+        last = self._last_error(comm)
+        if last and last == self._prev_last_error:
+            last += " (unchanged since the previous error: may be stale)"
+        else:
+            self._prev_last_error = last
         return self.error_class(
             self.name, function, int(code), self.code_name(code),
-            self._error_string(code), self._last_error(comm),
+            self._error_string(code), last,
         )
+
+    _prev_last_error = ""
 
     def _error_string(self, code: int) -> str:
         raise NotImplementedError
