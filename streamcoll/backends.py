@@ -152,7 +152,8 @@ class Backend:
             raise self.binding.error(self.funcs["get_unique_id"], rc)
         return bytes(ffi.buffer(uid))
 
-    def init_rank(self, nranks: int, uid: bytes, rank: int, blocking: Optional[bool] = None):
+    def init_rank(self, nranks: int, uid: bytes, rank: int, blocking: Optional[bool] = None,
+                  timeout: Optional[float] = None):
         ffi = self.ffi
         expected = ffi.sizeof(self.uid_type)
         if len(uid) != expected:
@@ -169,6 +170,11 @@ class Backend:
         else:
             fname = self.funcs["init_rank"]
             rc = getattr(lib, fname)(comm, nranks, cid[0], rank)
+        if rc and blocking is False and self.name == "nccl" and rc == self.binding.const("ncclInProgress"):
+            # Non-blocking init: poll until ready, an error, or the timeout (then aborted).
+            from .watchdog import nccl_wait_ready
+            nccl_wait_ready(self, comm[0], timeout, "init", rank, nranks)
+            return comm[0]
         if rc:
             raise self.binding.error(fname, rc)
         return comm[0]

@@ -145,9 +145,17 @@ def new_communicator(
         pstore.set("uid", uid)
     else:
         uid = pstore.get("uid")
-    handle = b.init_rank(world_size, bytes(uid), rank)
-    comm = Communicator(b, device, handle, rank, world_size, t, record_stream, pstore,
-                        name=name or ("default" if n == 1 else f"comm{n}"))
+    cname = name or ("default" if n == 1 else f"comm{n}")
+    from . import watchdog
+    nonblocking = b.name == "nccl" and watchdog.nccl_nonblocking_requested()
+    if nonblocking:  # polled with ncclCommGetAsyncError: times out with CollectiveTimeout
+        handle = b.init_rank(world_size, bytes(uid), rank, blocking=False, timeout=t)
+    else:  # a blocking init whose peers never come must not hang silently
+        with watchdog.guard(f"init of communicator {cname!r} (rank {rank} of {world_size}, {b.name} on {device})", t):
+            handle = b.init_rank(world_size, bytes(uid), rank)
+    comm = Communicator(b, device, handle, rank, world_size, t, record_stream, pstore, name=cname)
+    if nonblocking:
+        watchdog.make_nonblocking(comm)
     return comm
 
 

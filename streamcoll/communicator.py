@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import weakref
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
@@ -31,8 +32,6 @@ import numpy as np
 import torch
 
 from . import debug as _debug
-from . import flight as _flight
-from . import watchdog as _watchdog
 from .backends import Backend
 from .errors import CollectiveTimeout, CommunicatorError
 from .ops import ReduceOp, canonical_op, op_key
@@ -40,8 +39,10 @@ from .streams import Lane, runtime_for
 from .validation import as_tensor, check_list, check_rank, check_same
 from .work import REAPER, Work
 
-_now = _flight.now_ns
-_wref = _flight.wref
+# Flight recorder (streamcoll.flight, imported lazily so that
+# ``python -m streamcoll.flight`` runs without a double import).
+_now = time.monotonic_ns
+_wref = weakref.ref
 
 __all__ = ["Communicator", "P2POp"]
 
@@ -78,6 +79,23 @@ class P2POp:
 
 
 _LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child inherits the parent's communicators but not its ranks'
+    peers: mark them unusable (no per-call pid check on the hot path), so a
+    call raises instead of driving the parent's native communicator."""
+    for c in list(_LIVE):
+        if not c._destroyed and c._failed is None:
+            c._failed = CommunicatorError(
+                f"communicator {c.name!r} was created in process {c._pid} and cannot be used after "
+                f"fork (in {os.getpid()}); create a new one in the child"
+            )
+        c._forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Communicator:
@@ -167,10 +185,10 @@ class Communicator:
                 self._c[coll] = None
         self._barrier_buf: Optional[torch.Tensor] = None
         # Reliability (issue 7): flight recorder ring, debug checks, watchdog.
-        self._done_state = _flight.LAUNCHED if self._gpu else _flight.COMPLETED
-        _flight.attach(self)
+        from . import flight, watchdog
+        flight.attach(self)
         _debug.maybe_install(self)
-        _watchdog.register(self)
+        watchdog.register(self)
         _LIVE.add(self)
 
     # ------------------------------------------------------------ properties
@@ -237,8 +255,8 @@ class Communicator:
         """
         if self._destroyed:
             return
-        if os.getpid() != self._pid:
-            self._destroyed = True
+        if os.getpid() != self._pid or getattr(self, "_forked", False):
+            self._destroyed = True  # the native communicator is the parent's: no C call
             return
         t = self.timeout if timeout is None else _seconds(timeout)
         if self._failed is not None:
@@ -251,10 +269,15 @@ class Communicator:
         if finished is False:
             if self._failed is not None:
                 return  # native communicator left allocated: a call still runs inside it
-            exc = CollectiveTimeout("destroy", self._seq, t, [], self._rank, self._size,
-                                    "queued asynchronous work did not finish; native communicator left allocated")
-            self._failed = exc
-            raise exc
+            from .watchdog import handle_timeout
+            stuck = self._inflight_async  # the flight entry of the call that did not return
+            if stuck is not None:
+                op, seq = stuck[1], stuck[0]
+                shapes = [tuple(x) for x in self._flight.describe(self, stuck)["shapes"] if x is not None]
+            else:
+                op, seq, shapes = "destroy", self._seq, []
+            raise handle_timeout(self, op, seq, t, shapes,
+                                 "destroy: queued asynchronous work did not finish; native communicator left allocated")
         handle, self._handle = self._handle, None
         self._lanes.clear()
         if handle is not None:
@@ -279,16 +302,18 @@ class Communicator:
     def __exit__(self, *exc) -> None:
         self.destroy()
 
-    def _timed_out(self, op: str, seq: int, timeout: float, tensors) -> CollectiveTimeout:
+    def _timed_out(self, op: str, seq: int, timeout: float, tensors, detail: str = "") -> CollectiveTimeout:
         """Mark failed, dump the flight record, abort (NCCL); the error to raise."""
         shapes = [tuple(t.shape) for t in (tensors or ()) if isinstance(t, _Tensor)]
-        return _watchdog.handle_timeout(self, op, seq, timeout, shapes)
+        from .watchdog import handle_timeout
+        return handle_timeout(self, op, seq, timeout, shapes, detail)
 
     def dump_flight_record(self, path: Optional[str] = None) -> str:
         """Write this rank's flight record (recent operations) as JSON; returns
         the file. ``path``: a file or a directory (default ``STREAMCOLL_FLIGHT_DIR``).
         Read the dumps of all ranks with ``python -m streamcoll.flight analyze DIR``."""
-        return _flight.dump(self, path, "on request")
+        from .flight import dump
+        return dump(self, path, "on request")
 
     # ------------------------------------------------------------ helpers
     def _t(self, t: Any, name: str) -> torch.Tensor:
@@ -364,23 +389,22 @@ class Communicator:
             return None
         if not async_op:
             rt = self._rt
-            # Flight record (layout in flight.py); a list store, no lock.
+            # Flight record (layout in flight.py): one 3-tuple, one list store, no
+            # lock; ``_cur`` names the tensors of the call in flight (for a watchdog message).
             seq = self._seq
-            now = _now()
-            e = [seq, name, _wref(tensors[0]) if len(tensors) == 1 else tuple(map(_wref, tensors)),
-                 "sync", now, now, 0, "running", self._p2p, None, None]
-            self._ring[seq & self._ring_mask] = e
+            self._ring[seq & self._ring_mask] = (seq, name, self._p2p)
+            self._cur = tensors
             try:
                 if stream is None:
                     rt.run_current(fn, post)
                 else:
                     rt.run_on(stream, fn, post)
             except BaseException as x:
-                e[7] = _flight.FAILED
-                e[10] = repr(x)
+                self._flight.failed(seq, x)
                 raise
-            e[6] = _now()
-            e[7] = self._done_state
+            finally:
+                self._done = seq  # synchronous calls up to here returned
+                self._cur = None
             return None
         return self._launch_async(name, fn, post, tensors, outputs)
 
@@ -396,16 +420,16 @@ class Communicator:
         if lane is None:
             lane = self._lanes[key] = rt.new_lane(key)
         seq = self._seq
-        e = [seq, name, tuple(map(_wref, tensors)), "async", _now(), 0, 0, _flight.ENQUEUED, self._p2p, None, None]
+        e = [seq, name, self._p2p, _now(), tuple(map(_wref, tensors)), 0, 0, "enqueued", None, None]
         self._ring[seq & self._ring_mask] = e
         if not self._gpu:
             fn = self._watched(fn, e)
         token = rt.submit(lane, fn, post, tensors)
         ev = rt.completion_event(lane, token)
         if self._gpu:
-            e[5] = e[4]
-            e[7] = _flight.LAUNCHED
-            e[9] = ev  # the watchdog polls it
+            e[5] = e[3]
+            e[7] = "launched"
+            e[8] = ev  # the watchdog polls it
         stash = None
         if self._gpu:
             if self.record_stream:
@@ -419,18 +443,18 @@ class Communicator:
         flight entry ``e`` (what the watchdog looks at)."""
         def run(h):
             e[5] = _now()
-            e[7] = _flight.RUNNING
+            e[7] = "running"
             self._inflight_async = e
             try:
                 fn(h)
             except BaseException as x:
-                e[7] = _flight.FAILED
-                e[10] = repr(x)
+                e[7] = "failed"
+                e[9] = f"{type(x).__name__}: {x}"
                 raise
             finally:
                 self._inflight_async = None
             e[6] = _now()
-            e[7] = _flight.COMPLETED
+            e[7] = "completed"
 
         return run
 
@@ -866,7 +890,7 @@ class Communicator:
         return self._launch("scatter", fn, post, (t, *ins), (t,), async_op, stream)
 
     # ------------------------------------------------------------ point to point
-    def _p2p(self, kind: str, tensor, peer, name: str):
+    def _p2p_args(self, kind: str, tensor, peer, name: str):
         t = self._t(tensor, "tensor")
         peer = check_rank(peer, name, self._size)
         if peer == self._rank:
@@ -887,25 +911,25 @@ class Communicator:
 
     def send(self, tensor, dst: int, tag: int = 0, *, stream=None) -> None:
         """Send ``tensor`` to rank ``dst``; returns when it may be reused."""
-        t, peer, d = self._p2p("send", tensor, dst, "dst")
+        t, peer, d = self._p2p_args("send", tensor, dst, "dst")
         self._launch("send", self._p2p_fn("send", t, peer, d), None, (t,), (t,), False, stream)
 
     def recv(self, tensor, src: int, tag: int = 0, *, stream=None) -> int:
         """Receive into ``tensor`` from rank ``src``; returns ``src`` (as torch does)."""
         if src is None:
             raise ValueError("src: receiving from any source is not supported; pass the sender's rank")
-        t, peer, d = self._p2p("recv", tensor, src, "src")
+        t, peer, d = self._p2p_args("recv", tensor, src, "src")
         self._launch("recv", self._p2p_fn("recv", t, peer, d), None, (t,), (t,), False, stream)
         return peer
 
     def isend(self, tensor, dst: int, tag: int = 0, *, stream=None) -> Work:
-        t, peer, d = self._p2p("send", tensor, dst, "dst")
+        t, peer, d = self._p2p_args("send", tensor, dst, "dst")
         return self._launch("isend", self._p2p_fn("send", t, peer, d), None, (t,), (t,), True, stream)
 
     def irecv(self, tensor, src: int, tag: int = 0, *, stream=None) -> Work:
         if src is None:
             raise ValueError("src: receiving from any source is not supported; pass the sender's rank")
-        t, peer, d = self._p2p("recv", tensor, src, "src")
+        t, peer, d = self._p2p_args("recv", tensor, src, "src")
         return self._launch("irecv", self._p2p_fn("recv", t, peer, d), None, (t,), (t,), True, stream)
 
     def batch_isend_irecv(self, p2p_op_list: Sequence[Any]) -> List[Work]:
@@ -925,7 +949,7 @@ class Communicator:
             grp = getattr(p, "group", None)
             if grp is not None and grp is not self:
                 raise ValueError(f"p2p_op_list[{i}].group: expected this communicator or None")
-            t, peer, d = self._p2p(kind, p.tensor, p.peer, f"p2p_op_list[{i}].{name}")
+            t, peer, d = self._p2p_args(kind, p.tensor, p.peer, f"p2p_op_list[{i}].{name}")
             if dtype is None:
                 dtype = d
             elif d != dtype:

@@ -130,7 +130,7 @@ def _counts(kind: str, b: Dict[str, Any], size: int) -> Optional[Tuple[List[int]
 
 def _fingerprint(comm: Any, name: str, sig: inspect.Signature, args: tuple, kwargs: dict) -> dict:
     exact, loose, cross = _ARGS[name]
-    fp: Dict[str, Any] = {"op": name}
+    fp: Dict[str, Any] = {"call": name}
     try:
         b = sig.bind(*args, **kwargs)
     except TypeError as e:
@@ -148,8 +148,8 @@ def _fingerprint(comm: Any, name: str, sig: inspect.Signature, args: tuple, kwar
 
 
 def _show(fp: dict) -> str:
-    args = ", ".join(f"{k}={v}" for k, v in fp.items() if k not in ("op",) and not k.startswith("_"))
-    return f"{fp['op']}({args})"
+    args = ", ".join(f"{k}={v}" for k, v in fp.items() if k != "call" and not k.startswith("_"))
+    return f"{fp['call']}({args})"
 
 
 def _ranks(rs: List[int]) -> str:
@@ -174,8 +174,8 @@ def _compare(fps: List[dict], size: int) -> Tuple[Optional[str], List[int]]:
         odd: List[int] = []
         for fp, rs in groups[1:]:
             odd += rs
-            if fp["op"] != ref["op"]:
-                how = f"a different collective ({fp['op']} instead of {ref['op']})"
+            if fp["call"] != ref["call"]:
+                how = f"a different collective ({fp['call']} instead of {ref['call']})"
             else:
                 keys = [k for k in sorted(set(fp) | set(ref)) if fp.get(k) != ref.get(k)]
                 how = "; ".join(f"{k} {fp.get(k)} instead of {ref.get(k)}" for k in keys)
@@ -191,7 +191,7 @@ def _compare(fps: List[dict], size: int) -> Tuple[Optional[str], List[int]]:
                     bad.append(f"rank {i} sends {sent} elements to rank {j}, which expects {expected}")
                     pairs.update((i, j))
         if bad:
-            return (f"{fps[0]['op']} counts disagree: " + "; ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""),
+            return (f"{fps[0]['call']} counts disagree: " + "; ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""),
                     sorted(pairs))
     return None, []
 
@@ -217,7 +217,7 @@ class _Checker:
         n, me, size = self.n, comm._rank, comm._size
         store = self.store
         key = f"dbg/{self.ns}/{{}}/{{}}"
-        store.set(key.format(n, me), json.dumps(fp, sort_keys=True, default=repr))
+        store.set(key.format(n, me), json.dumps(fp, default=repr))
         keys = [key.format(n, r) for r in range(size)]
         try:
             store.wait(keys, timedelta(seconds=comm.timeout))

@@ -6,31 +6,37 @@ disagree or where some rank never arrived::
     python -m streamcoll.flight analyze DIR      # exit status 1 if it found a problem
 
 Why a ring written by index: recording runs on every collective, so it must
-cost a small fraction of a microsecond. ``Communicator._launch`` builds one
-small tuple per synchronous operation and stores it at ``ring[seq & mask]``;
-nothing else is allocated and nothing is locked (a list store is atomic under
-the GIL). Tensors are recorded by weak reference, so the ring never keeps
-memory alive; their shapes and dtypes are read later (by the watchdog's
-periodic pass, or at dump time). A tensor freed before that is recorded with
-an unknown shape, which the analysis treats as matching anything.
+cost a small fraction of a microsecond. ``Communicator._launch`` stores one
+3-tuple per synchronous operation at ``ring[seq & mask]``; nothing else is
+allocated and nothing is locked (a list store is atomic under the GIL).
+Measured on this project's 2-core machine (thread CPU time, 1-rank
+communicator, launch with a no-op C call): a tuple with a clock read and a
+weak reference to the tensor cost 0.35-0.55 us a call; the 3-tuple plus the
+in-flight marker below cost about 0.2 us.
 
-Entry layout (indexes below). The first five fields are common: sequence
-number, op name, issue time (``time.monotonic_ns``), how many point-to-point
-operations preceded it (so collectives can be aligned across ranks that took
-part in different sends/receives), tensor weak reference(s).
+Entry layout (indexes below). Common: sequence number, op name, how many
+point-to-point operations preceded it (so collectives are aligned across
+ranks that took part in different sends/receives).
 
 - Synchronous operations (current stream; on the CPU inline in the C call)
-  are a 5-tuple: the cheapest record. Their state is derived: the
-  communicator's ``_done`` holds the sequence number of the last synchronous
-  call that returned, so a later one is still running; failures go to
-  :attr:`FlightRecorder.errors`. Their end time is not recorded (a second
-  clock read per call); the dump bounds it by the next entry's issue time.
-- Asynchronous operations are a list that goes on with: start and end times
-  (set by the CPU comm thread; 0 = not yet), state, the completion event of
-  GPU work (what the watchdog polls), and the error text.
+  are just that 3-tuple. Their state is derived: ``comm._done`` holds the
+  sequence number of the last synchronous call that returned, so a later one
+  is running; failures go to :attr:`FlightRecorder.errors`. While a call runs,
+  ``comm._cur`` holds its tensors (cleared when it returns), which gives the
+  shapes of a stuck call; the watchdog stamps when it first saw it running.
+  Completed synchronous calls keep no shapes and no times (a clock read and a
+  weak reference would double the cost); the analysis compares their ops.
+- Asynchronous operations (comm stream, a Work; tens of microseconds anyway)
+  are a list that goes on with: enqueue time (``time.monotonic_ns``), tensor
+  weak reference(s) (resolved to shapes/dtypes by the watchdog's periodic
+  pass or at dump time; a tensor freed before that has an unknown shape, which
+  the analysis treats as matching anything), start and end times (set by the
+  CPU comm thread; 0 = not yet), state, the completion event of GPU work
+  (what the watchdog polls), and the error text.
 
 Settings: ``STREAMCOLL_FLIGHT_SIZE`` (entries per communicator, rounded up to
-a power of two; default 1024; 0 turns recording off), ``STREAMCOLL_FLIGHT_DIR``
+a power of two; default 1024; the minimum, 1, keeps only the latest operation,
+which is what the watchdog needs), ``STREAMCOLL_FLIGHT_DIR``
 (where dumps go; default ``<tmp>/streamcoll-flight``).
 """
 from __future__ import annotations
@@ -48,10 +54,10 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 __all__ = [
     "FlightRecorder", "attach", "dump", "default_dir", "load_dumps", "analyze", "Finding", "main",
-    "SEQ", "OP", "T_ENQ", "P2P", "REFS", "T_START", "T_END", "STATE", "EVENT", "ERROR",
+    "SEQ", "OP", "P2P", "T_ENQ", "REFS", "T_START", "T_END", "STATE", "EVENT", "ERROR",
 ]
 
-SEQ, OP, T_ENQ, P2P, REFS, T_START, T_END, STATE, EVENT, ERROR = range(10)
+SEQ, OP, P2P, T_ENQ, REFS, T_START, T_END, STATE, EVENT, ERROR = range(10)
 
 # States.
 ENQUEUED = "enqueued"    # async, waiting for the comm thread
@@ -91,25 +97,34 @@ class FlightRecorder:
     here runs off the hot path (watchdog pass, dump).
     """
 
-    __slots__ = ("ring", "mask", "capacity", "wall0", "mono0", "_resolved_upto")
+    __slots__ = ("ring", "mask", "capacity", "wall0", "mono0", "errors", "desc", "_resolved_upto")
 
     def __init__(self, capacity: int) -> None:
         cap = 1
         while cap < capacity:
             cap <<= 1
-        self.capacity = cap if capacity > 0 else 0
-        self.ring: List[Optional[list]] = [None] * max(self.capacity, 1)
-        self.mask = max(self.capacity, 1) - 1
+        self.capacity = cap
+        self.ring: List[Any] = [None] * cap
+        self.mask = cap - 1
         # Anchor to turn monotonic stamps into wall-clock times in dumps.
         self.wall0 = time.time()
         self.mono0 = now_ns()
+        self.errors: Dict[int, str] = {}  # seq -> error of a failed synchronous call
+        self.desc: Dict[int, dict] = {}   # seq -> resolved shapes/dtypes of a synchronous entry
         self._resolved_upto = 0
 
-    def entries(self) -> List[list]:
+    def failed(self, seq: int, exc: BaseException) -> None:
+        """Record that synchronous call ``seq`` raised (the launch path's except branch)."""
+        self.errors[seq] = f"{type(exc).__name__}: {exc}"
+        if len(self.errors) > self.capacity:
+            for k in sorted(self.errors)[: len(self.errors) - self.capacity]:
+                del self.errors[k]
+
+    def entries(self) -> List[Any]:
         """Recorded entries, oldest first."""
         return sorted((e for e in self.ring if e is not None), key=lambda e: e[SEQ])
 
-    def recent(self, last_seq: int, n: int) -> Iterable[list]:
+    def recent(self, last_seq: int, n: int) -> Iterable[Any]:
         """Up to ``n`` entries with sequence numbers <= ``last_seq``, newest first."""
         ring, mask = self.ring, self.mask
         for s in range(last_seq, max(last_seq - n, 0), -1):
@@ -117,45 +132,73 @@ class FlightRecorder:
             if e is not None and e[SEQ] == s:
                 yield e
 
-    def resolve(self, last_seq: int) -> None:
-        """Replace the weak references of entries up to ``last_seq`` by their
-        shapes and dtypes (the watchdog calls this periodically)."""
-        start = max(self._resolved_upto + 1, last_seq - self.capacity + 1)
-        ring, mask = self.ring, self.mask
+    def describe(self, comm: Any, e: Any) -> dict:
+        """``{"shapes": [...], "dtypes": [...]}`` of an entry (None where unknown)."""
+        if type(e) is tuple:
+            d = self.desc.get(e[SEQ])
+            if d is not None and d.get("_id") == id(e):
+                return d
+            cur = comm._cur
+            if cur is not None and self.state(comm, e) == RUNNING:
+                d = _read(cur)
+                d["_id"] = id(e)
+                self.desc[e[SEQ]] = d
+                return d
+            return {"shapes": None, "dtypes": None}
+        r = e[REFS]
+        if type(r) is dict:
+            return r
+        d = e[REFS] = _read(r)
+        return d
+
+    def resolve(self, comm: Any, last_seq: int) -> None:
+        """Read the shapes of async entries up to ``last_seq`` while their
+        tensors are still alive (the watchdog calls this periodically)."""
+        start = max(self._resolved_upto + 1, last_seq - self.capacity + 1, 1)
         for s in range(start, last_seq + 1):
-            e = ring[s & mask]
-            if e is not None and e[SEQ] == s:
-                _resolve_entry(e)
+            e = self.ring[s & self.mask]
+            if e is not None and e[SEQ] == s and type(e) is list:
+                self.describe(comm, e)
         self._resolved_upto = max(self._resolved_upto, last_seq)
+        if len(self.desc) > 2 * self.capacity:
+            lo = last_seq - self.capacity
+            for k in [k for k in self.desc if k <= lo]:
+                del self.desc[k]
+
+    def state(self, comm: Any, e: Any) -> str:
+        """The state of entry ``e`` of ``comm`` now."""
+        if type(e) is tuple:
+            if e[SEQ] in self.errors:
+                return FAILED
+            if e[SEQ] > comm._done:
+                return RUNNING
+            return LAUNCHED if comm._gpu else COMPLETED
+        st = e[STATE]
+        if st == LAUNCHED and e[EVENT] is not None:
+            try:
+                if e[EVENT].query():
+                    return COMPLETED
+            except Exception:
+                pass
+        return st
 
     def wall(self, mono: int) -> Optional[float]:
         return None if not mono else self.wall0 + (mono - self.mono0) / 1e9
 
 
-def _describe(t: Any) -> Tuple[Optional[list], Optional[str]]:
-    if t is None:
-        return None, None
-    try:
-        return list(t.shape), str(t.dtype).replace("torch.", "")
-    except Exception:
-        return None, None
-
-
-def _resolve_entry(e: list) -> dict:
-    """The ``{"shapes", "dtypes"}`` of an entry, resolving weak references
-    once (a dead reference gives None: shape unknown)."""
-    r = e[TENSORS]
-    if type(r) is dict:
-        return r
-    refs = (r,) if type(r) is wref else (r or ())
+def _read(r: Any) -> dict:
+    """Shapes and dtypes of tensors given as weak references or directly."""
+    items = (r,) if type(r) is wref else (r or ())
     shapes, dtypes = [], []
-    for ref in refs:
-        s, d = _describe(ref())
-        shapes.append(s)
-        dtypes.append(d)
-    out = {"shapes": shapes, "dtypes": dtypes}
-    e[TENSORS] = out
-    return out
+    for x in items:
+        t = x() if type(x) is wref else x
+        try:
+            shapes.append(list(t.shape))
+            dtypes.append(str(t.dtype).replace("torch.", ""))
+        except Exception:  # freed before it was read
+            shapes.append(None)
+            dtypes.append(None)
+    return {"shapes": shapes, "dtypes": dtypes}
 
 
 def attach(comm: Any) -> None:
@@ -164,39 +207,42 @@ def attach(comm: Any) -> None:
     comm._flight = fr
     comm._ring = fr.ring
     comm._ring_mask = fr.mask
-    comm._record = fr.capacity > 0
+    comm._done = 0
+    comm._cur = None
+    comm._running_since = None  # (seq, monotonic ns): the watchdog's first sight of a sync call running
     comm._p2p = 0
     comm._inflight_async = None
 
 
 # ----------------------------------------------------------------- dumping
-def _entry_json(fr: FlightRecorder, e: list, now: int) -> dict:
-    desc = _resolve_entry(e)
-    t_enq, t_start, t_end = e[T_ENQ], e[T_START], e[T_END]
-    state = e[STATE]
-    ev = e[EVENT]
-    if state == LAUNCHED and ev is not None:
-        try:
-            if ev.query():
-                state = COMPLETED
-        except Exception:
-            pass
+def _entry_json(comm: Any, fr: FlightRecorder, e: Any, now: int, seen: Optional[int]) -> dict:
+    desc = fr.describe(comm, e)
+    sync = type(e) is tuple
+    state = fr.state(comm, e)
+    if sync:
+        t_enq = t_start = seen if state == RUNNING and seen else 0
+        t_end = 0
+    else:
+        t_enq, t_start, t_end = e[T_ENQ], e[T_START] or (e[T_ENQ] if state == LAUNCHED else 0), e[T_END]
     d = {
         "seq": e[SEQ],
         "collective_seq": None if e[OP] in P2P_OPS else e[SEQ] - e[P2P],
         "op": e[OP],
         "shapes": desc["shapes"],
         "dtypes": desc["dtypes"],
-        "strategy": e[STRATEGY],
+        "strategy": "sync" if sync else "async",
         "state": state,
         "enqueued": fr.wall(t_enq),
         "started": fr.wall(t_start),
         "ended": fr.wall(t_end),
         "duration_s": (t_end - t_start) / 1e9 if t_end and t_start else None,
-        "age_s": (now - (t_start or t_enq)) / 1e9 if t_enq else None,
+        "age_s": (now - (t_start or t_enq)) / 1e9 if (t_start or t_enq) else None,
     }
-    if e[ERROR]:
-        d["error"] = e[ERROR]
+    if sync and state == RUNNING:
+        d["started_note"] = "first seen running by the watchdog" if seen else "running; start time not recorded"
+    err = fr.errors.get(e[SEQ]) if sync else e[ERROR]
+    if err:
+        d["error"] = err
     return d
 
 
@@ -205,6 +251,7 @@ def snapshot(comm: Any, reason: str = "") -> dict:
     fr: FlightRecorder = comm._flight
     now = now_ns()
     failed = comm._failed
+    es = fr.entries()
     return {
         "format": "streamcoll-flight",
         "version": FORMAT_VERSION,
@@ -223,8 +270,14 @@ def snapshot(comm: Any, reason: str = "") -> dict:
         "reason": reason,
         "dumped_at": time.time(),
         "capacity": fr.capacity,
-        "entries": [_entry_json(fr, e, now) for e in fr.entries()],
+        "entries": [_entry_json(comm, fr, e, now, _seen(comm, e)) for e in es],
     }
+
+
+def _seen(comm: Any, e: Any) -> Optional[int]:
+    """When the watchdog first saw synchronous entry ``e`` running (monotonic ns)."""
+    s = getattr(comm, "_running_since", None)
+    return s[1] if s is not None and s[0] == e[SEQ] else None
 
 
 def _safe(name: str) -> str:
@@ -304,6 +357,8 @@ def load_dumps(paths: Sequence[str]) -> List[dict]:
 
 
 def _fmt_call(e: dict) -> str:
+    if e["shapes"] is None:
+        return f"{e['op']}(shapes not recorded; {e['strategy']})"
     shapes = ", ".join("?" if s is None else "(" + ", ".join(map(str, s)) + ("," if len(s) == 1 else "") + ")"
                        for s in e["shapes"])
     dts = sorted({d for d in e["dtypes"] if d})
@@ -317,7 +372,7 @@ def _same(a: dict, b: dict) -> List[str]:
         diffs.append("op")
         return diffs
     sa, sb = a["shapes"], b["shapes"]
-    if len(sa) == len(sb):
+    if sa is not None and sb is not None and len(sa) == len(sb):
         if any(x is not None and y is not None and x != y for x, y in zip(sa, sb)):
             diffs.append("shapes")
         if any(x is not None and y is not None and x != y for x, y in zip(a["dtypes"], b["dtypes"])):
@@ -404,12 +459,17 @@ def _analyze_group(name: str, dumps: List[dict]) -> List[Finding]:
     for k in range(lo, hi + 1):
         present = {r: colls[r][k] for r in by_rank if k in colls[r]}
         stuck = [r for r, e in present.items() if e["state"] in (RUNNING, ENQUEUED, LAUNCHED)]
-        if stuck and len(present) == len(by_rank) and len(by_rank) == size:
+        if stuck and len(present) == len(by_rank):
             e = present[stuck[0]]
-            msg = (f"communicator {name!r}: every rank reached sequence number {e['seq']} (collective #{k}, "
-                   f"{_fmt_call(e)}) but it did not complete on {_ranks(stuck)}: a rank may have died inside "
-                   f"it or the network failed")
-            findings.append(Finding(name, "stuck", k, {r: x["seq"] for r, x in present.items()}, stuck, msg))
+            if missing:
+                why = (f"{_ranks(missing)} left no dump: it probably died or hung before or inside this "
+                       f"operation")
+            else:
+                why = "every rank reached it: a rank may have died inside it, or the network failed"
+            msg = (f"communicator {name!r}: first problem at sequence number {e['seq']} (collective #{k}): "
+                   f"{_fmt_call(e)} did not complete on {_ranks(stuck)}; {why}")
+            findings.append(Finding(name, "stuck", k, {r: x["seq"] for r, x in present.items()},
+                                    missing or stuck, msg))
             return findings
     return findings
 

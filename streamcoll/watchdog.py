@@ -13,13 +13,15 @@ and, like ProcessGroupNCCL's default error handling
 the process with a clear message when an operation outlives its
 communicator's timeout:
 
-- Every operation is in the flight recorder (:mod:`streamcoll.flight`) with
-  its state and start time; the watchdog looks at each live communicator's
-  recent entries every ``min(1 s, timeout / 10)``. A CPU entry still
-  ``running`` (inside the C call, inline or on the comm thread), or a GPU
-  async entry whose completion event has not fired, for longer than
-  ``timeout + grace`` (grace: 1 s, so that a ``Work.wait`` timing out at the
-  same moment raises first) is a hang.
+- Every operation is in the flight recorder (:mod:`streamcoll.flight`); the
+  watchdog looks at each live communicator every ``min(1 s, timeout / 10)``.
+  A hang is: a synchronous call that has not returned (the recorder keeps no
+  start time for those, to stay cheap: its age counts from the pass that
+  first saw it running, so detection comes up to one interval late); async
+  work running on the CPU comm thread (its start time is recorded); GPU async
+  work whose completion event has not fired (counted from its launch). Each
+  is given ``timeout + grace`` (grace: 1 s, so that a ``Work.wait`` timing out
+  at the same moment raises first).
 - On a hang it marks the communicator failed, writes the flight record
   (``STREAMCOLL_FLIGHT_DIR``), prints what hung (op, sequence number, shapes,
   rank, timeout) and what to do to stderr, aborts an NCCL communicator
@@ -39,10 +41,20 @@ communicator's timeout:
 
 Init is watched the same way through :func:`guard` (a blocking
 ``onecclCommInitRank`` whose peers never come would otherwise wait forever).
+
+NCCL communicators can instead be created non-blocking
+(``STREAMCOLL_NCCL_NONBLOCKING=1``: config ``blocking=0``, as
+``TORCH_NCCL_USE_COMM_NONBLOCKING`` does): init returns ``ncclInProgress`` and
+is polled with ``ncclCommGetAsyncError`` (:func:`nccl_wait_ready`), so an init
+whose peers never come raises :class:`~streamcoll.CollectiveTimeout` after the
+timeout (the communicator is aborted) instead of ending the process; every
+later call on such a communicator that returns ``ncclInProgress`` is polled
+the same way (:func:`make_nonblocking`), as NCCL requires before the next call.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
 import threading
@@ -54,7 +66,7 @@ from . import flight
 from .errors import CollectiveTimeout
 
 __all__ = ["EXIT_CODE", "register", "handle_timeout", "skip_native_teardown", "guard", "mode", "Watchdog",
-           "WATCHDOG"]
+           "WATCHDOG", "nccl_wait_ready", "make_nonblocking", "nccl_nonblocking_requested"]
 
 EXIT_CODE = 86
 GRACE_S = 1.0
@@ -71,8 +83,9 @@ def mode() -> str:
     return m
 
 
-def _shapes(e: list) -> list:
-    return [tuple(s) if s is not None else None for s in flight._resolve_entry(e)["shapes"]]
+def _shapes(comm: Any, e: Any) -> list:
+    shapes = comm._flight.describe(comm, e)["shapes"]
+    return [tuple(s) if s is not None else None for s in shapes] if shapes is not None else []
 
 
 def _what_to_do(comm: Any) -> str:
@@ -91,7 +104,8 @@ def _dump_quietly(comm: Any, reason: str) -> str:
         return f"(could not be written: {e})"
 
 
-def handle_timeout(comm: Any, op: str, seq: int, timeout: float, shapes: list) -> CollectiveTimeout:
+def handle_timeout(comm: Any, op: str, seq: int, timeout: float, shapes: list,
+                   detail: str = "") -> CollectiveTimeout:
     """What a timeout reported to the caller does (``Work.wait``,
     ``synchronize``): mark ``comm`` failed, dump its flight record, abort it
     where the library can, and make a normal process exit safe. Returns the
@@ -101,7 +115,7 @@ def handle_timeout(comm: Any, op: str, seq: int, timeout: float, shapes: list) -
         # Mark first: the dump then says "failed", and other threads' calls raise at once.
         comm._failed = CollectiveTimeout(op, seq, timeout, shapes, comm._rank, comm._size)
     path = _dump_quietly(comm, f"timeout of {op} #{seq}") if first else None
-    detail = _what_to_do(comm)
+    detail = (detail + "; " if detail else "") + _what_to_do(comm)
     if path:
         detail += f"; flight record: {path} (python -m streamcoll.flight analyze {os.path.dirname(path)})"
     exc = CollectiveTimeout(op, seq, timeout, shapes, comm._rank, comm._size, detail)
@@ -176,6 +190,7 @@ class Watchdog:
     def __init__(self) -> None:
         self._comms: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._guards: Dict[int, list] = {}
+        self._keys = itertools.count()
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._wake = threading.Event()
@@ -219,34 +234,53 @@ class Watchdog:
                 continue
             fr = comm._flight
             limit = comm.timeout + GRACE_S
-            cands = list(fr.recent(comm._seq, SCAN)) if comm._record else []
-            ia = comm._inflight_async
-            if ia is not None:
-                cands.append(ia)
-            for e in cands:
-                st = e[flight.STATE]
-                if st == flight.RUNNING:
-                    age = (now - (e[flight.T_START] or e[flight.T_ENQ])) / 1e9
-                elif st == flight.LAUNCHED and e[flight.EVENT] is not None:
-                    try:
-                        if e[flight.EVENT].query():
-                            e[flight.STATE] = flight.COMPLETED
-                            continue
-                    except Exception:
-                        continue
-                    age = (now - e[flight.T_ENQ]) / 1e9
-                else:
-                    continue
-                if age > limit:
-                    self._fire(comm, e, age)
+            hung = None
+            # A synchronous call in flight: the oldest sync entry after the last that returned.
+            # Its start is not recorded (hot path); its age counts from when it was first seen.
+            running = None
+            ring, mask = fr.ring, fr.mask
+            for sq in range(comm._done + 1, min(comm._seq, comm._done + SCAN) + 1):
+                e = ring[sq & mask]
+                if type(e) is tuple and e[flight.SEQ] == sq and sq not in fr.errors:
+                    running = e
                     break
-            if comm._record and comm._failed is None:
-                fr.resolve(comm._seq)
+            if running is None:
+                comm._running_since = None
+            else:
+                rs = comm._running_since
+                if rs is None or rs[0] != running[flight.SEQ]:
+                    comm._running_since = (running[flight.SEQ], now)
+                elif (now - rs[1]) / 1e9 > limit:
+                    hung = (running, (now - rs[1]) / 1e9)
+            # Asynchronous work: running on the CPU comm thread, or GPU work whose event has not fired.
+            if hung is None:
+                cands = [comm._inflight_async] if comm._inflight_async is not None else []
+                if comm._gpu:
+                    cands += [e for e in fr.recent(comm._seq, SCAN) if type(e) is list]
+                for e in cands:
+                    if e is None:
+                        continue
+                    st = fr.state(comm, e)
+                    if st == flight.RUNNING:
+                        age = (now - (e[flight.T_START] or e[flight.T_ENQ])) / 1e9
+                    elif st == flight.LAUNCHED and e[flight.EVENT] is not None:
+                        age = (now - e[flight.T_ENQ]) / 1e9
+                    else:
+                        if st == flight.COMPLETED and e[flight.STATE] == flight.LAUNCHED:
+                            e[flight.STATE] = flight.COMPLETED  # no need to query it again
+                        continue
+                    if age > limit:
+                        hung = (e, age)
+                        break
+            if hung is not None:
+                self._fire(comm, *hung)
+            elif comm._failed is None:
+                fr.resolve(comm, comm._seq)
 
     # -- on a hang ---------------------------------------------------------
     def _fire(self, comm: Any, e: list, age: float) -> None:
         op, seq = e[flight.OP], e[flight.SEQ]
-        shapes = _shapes(e)
+        shapes = _shapes(comm, e)
         m = mode()
         exc = CollectiveTimeout(op, seq, comm.timeout, shapes, comm._rank, comm._size,
                                 f"detected by the watchdog after {age:.1f} s")
@@ -257,7 +291,7 @@ class Watchdog:
             f"streamcoll watchdog: {op} (sequence number {seq}) on communicator {comm.name!r} "
             f"({comm._backend.name}, {comm._device}) has not completed after {age:.1f} s "
             f"(timeout {comm.timeout:g} s) on rank {comm._rank} of {comm._size}; tensor shapes {shapes}; "
-            f"strategy {e[flight.STRATEGY]}.",
+            f"strategy {'sync (inline)' if type(e) is tuple else 'async'}.",
             "  Likely cause: another rank died, hung, or called a different collective (or the same one with "
             "other shapes) at this point.",
             f"  Flight record: {path}",
@@ -310,7 +344,7 @@ class Watchdog:
         if mode() == "off":
             yield
             return
-        key = id(object())
+        key = next(self._keys)
         with self._lock:
             self._guards[key] = [what, flight.now_ns(), timeout, detail]
             self._start()
@@ -341,3 +375,71 @@ def register(comm: Any) -> None:
 
 def guard(what: str, timeout: float, detail: str = ""):
     return WATCHDOG.guard(what, timeout, detail)
+
+
+# ------------------------------------------------------- non-blocking NCCL
+def nccl_nonblocking_requested() -> bool:
+    return os.environ.get("STREAMCOLL_NCCL_NONBLOCKING", "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def nccl_wait_ready(backend: Any, handle: Any, timeout: Optional[float], what: str,
+                    rank: int = -1, size: int = -1) -> None:
+    """Poll ``ncclCommGetAsyncError`` until a non-blocking NCCL communicator
+    left ``ncclInProgress``. An error state raises the library error; past
+    ``timeout`` seconds the communicator is aborted (``ncclCommAbort``) and
+    :class:`CollectiveTimeout` is raised."""
+    lib, ffi, binding = backend.lib(), backend.ffi, backend.binding
+    in_progress = binding.const("ncclInProgress")
+    state = ffi.new("ncclResult_t *")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = 1e-4
+    while True:
+        rc = lib.ncclCommGetAsyncError(handle, state)
+        if rc:
+            raise binding.error("ncclCommGetAsyncError", rc, handle)
+        s = int(state[0])
+        if s == 0:
+            return
+        if s != in_progress:
+            err = binding.error(f"{what} (asynchronous error)", s, handle)
+            try:
+                lib.ncclCommAbort(handle)
+            except Exception:
+                pass
+            raise err
+        if deadline is not None and time.monotonic() > deadline:
+            try:
+                lib.ncclCommAbort(handle)
+            except Exception:
+                pass
+            raise CollectiveTimeout(what, 0, float(timeout), [], rank, size,
+                                    "the non-blocking NCCL communicator stayed ncclInProgress; it was aborted "
+                                    "(ncclCommAbort). Check that every rank started and can reach the others")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+
+
+_NONBLOCKING_CALLS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
+                      "gather", "scatter", "send", "recv", "group_end")
+
+
+def make_nonblocking(comm: Any) -> None:
+    """Wrap ``comm``'s NCCL functions so that ``ncclInProgress`` is polled to
+    completion (or its error, or the communicator's timeout) before the call
+    returns, as a non-blocking communicator requires."""
+    backend = comm._backend
+    in_progress = backend.binding.const("ncclInProgress")
+    for name in _NONBLOCKING_CALLS:
+        f = comm._c.get(name)
+        if f is None:
+            continue
+
+        def polled(*args, _f=f, _name=name):
+            rc = _f(*args)
+            if rc == in_progress:
+                nccl_wait_ready(backend, comm._handle, comm.timeout, _name, comm._rank, comm._size)
+                return 0
+            return rc
+
+        comm._c[name] = polled
+    comm._nonblocking = True

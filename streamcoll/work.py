@@ -20,7 +20,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from .errors import CollectiveTimeout
+from .errors import CollectiveTimeout, CommunicatorError
 
 __all__ = ["Work", "Reaper"]
 
@@ -123,6 +123,8 @@ class Work:
         if timeout is not None and hasattr(timeout, "total_seconds"):
             timeout = timeout.total_seconds()
         comm = self._comm
+        if comm._failed is not None:
+            self._raise_if_failed()
         t = comm.timeout if timeout is None else timeout
         if not self._rt.wait_current(self._event, t):
             raise comm._timed_out(self.op, self.seq, t, self._outputs)
@@ -135,6 +137,8 @@ class Work:
     def synchronize(self, timeout: Optional[float] = None) -> None:
         """Block the host until the collective completed (CUDA: event synchronize)."""
         comm = self._comm
+        if comm._failed is not None:
+            self._raise_if_failed()
         t = comm.timeout if timeout is None else timeout
         if not self._rt.synchronize(self._event, t):
             raise comm._timed_out(self.op, self.seq, t, self._outputs)
@@ -142,6 +146,15 @@ class Work:
         if exc is not None:
             raise exc
         self._release()
+
+    def _raise_if_failed(self) -> None:
+        """Unfinished work of a failed communicator raises at once instead of
+        waiting again for a call that cannot complete (issue 7)."""
+        if not self._rt.query(self._event):
+            comm = self._comm
+            raise CommunicatorError(
+                f"{self.op} (sequence number {self.seq}) cannot complete: communicator {comm.name!r} "
+                f"failed earlier: {comm._failed}") from comm._failed
 
     def result(self) -> List[torch.Tensor]:
         """The output tensors (valid once the collective completed)."""
