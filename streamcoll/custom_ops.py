@@ -131,13 +131,6 @@ class StreamRef:
         self.kind = kind
         self.comm = comm
 
-    def resolve(self) -> Any:
-        c = lookup_comm(self.comm)
-        rt = c._rt
-        if self.kind == "current":
-            return rt.current_key()
-        return c.comm_stream()
-
     def __repr__(self) -> str:
         return f"StreamRef({self.kind!r}, comm={self.comm})"
 
@@ -430,6 +423,18 @@ def join_(tensors: List[_Tensor], event: int, from_stream: int, to_stream: int) 
 @join_.register_fake
 def _(tensors, event, from_stream, to_stream):
     return None
+
+
+# Communication is a side effect: a collective whose result nobody reads (a
+# barrier, a broadcast into a scratch buffer) must still run on every rank, so
+# no graph pass may dead-code-eliminate these ops (for the mutating ones this
+# also covers their auto_functionalized form).
+for _op in (all_reduce_, broadcast_, reduce_, all_gather_into_tensor_, reduce_scatter_tensor_,
+            all_to_all_single_, barrier_op, all_reduce_functional, broadcast_functional, reduce_functional,
+            all_gather_into_tensor_functional, reduce_scatter_tensor_functional, all_to_all_single_functional,
+            fork_, join_):
+    torch.fx.node.has_side_effect(_op._opoverload)
+del _op
 
 
 # ---------------------------------------------------------------- traced API

@@ -85,7 +85,8 @@ class GradientSync:
     or a ``premul_sum`` with a positive factor. ``group``: the Communicator
     (default: streamcoll's default one). ``record_timeline``: keep
     ``perf_counter`` times of gradient readiness, bucket launches and bucket
-    completions of the last step (``timeline()``), for profiling the overlap.
+    completions since the last ``clear_timeline()`` (``timeline()``), for
+    profiling the overlap.
     """
 
     def __init__(
@@ -282,9 +283,9 @@ class GradientSync:
             self._build(order)
 
     def timeline(self) -> Dict[str, Any]:
-        """``perf_counter`` times of the last step (``record_timeline=True``):
-        ``ready`` [(param index, t)], ``launch`` [t per bucket], ``done``
-        {bucket: t}. Cleared by :meth:`clear_timeline`."""
+        """``perf_counter`` times since the last :meth:`clear_timeline`
+        (``record_timeline=True``): ``ready`` [(param index, t)], ``launch``
+        [t per bucket launch], ``done`` {bucket index: t}."""
         return {"ready": list(self._ready_times), "launch": list(self._launch_times),
                 "done": dict(self._done_times)}
 

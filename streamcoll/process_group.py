@@ -39,7 +39,6 @@ from .communicator import Communicator
 __all__ = ["ProcessGroupStreamcoll", "StreamcollWork", "create_process_group", "register_backend", "BACKEND_NAME"]
 
 BACKEND_NAME = "streamcoll"
-_NO_TIMEOUT = timedelta(0)
 
 
 def _seconds(timeout: Any) -> Optional[float]:

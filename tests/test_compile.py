@@ -160,7 +160,10 @@ def _functional_ops(comm):
         streamcoll.reduce_scatter_tensor(i, x, op=streamcoll.ReduceOp.SUM)
         j = torch.empty(2 * n)
         streamcoll.all_to_all_single(j, x)
-        return a, b, c, d, e, f, g, h, i, j, x * 1
+        # an explicit communicator (registry id, guarded) and torch's ReduceOp
+        k = x.clone()
+        streamcoll.all_reduce(k, op=torch.distributed.ReduceOp.SUM, group=comm)
+        return a, b, c, d, e, f, g, h, i, j, k, x * 1
 
     torch._dynamo.reset()
     try:
@@ -199,6 +202,38 @@ def _errors_in_compiled_region(comm):
     except TypeError as e:
         msgs.append(str(e))
     return msgs
+
+
+def _unused_results_still_communicate(comm):
+    """A barrier and collectives whose results nobody reads must still run
+    (other ranks wait for them): count what the communicator issued."""
+    import torch._dynamo
+
+    def fn(x):
+        streamcoll.barrier()
+        scratch = torch.zeros(4)
+        streamcoll.broadcast(scratch, src=0)                 # result unused
+        custom_ops.functional_all_reduce(x)                  # result unused
+        w = streamcoll.all_reduce(torch.ones(2), async_op=True)
+        w.wait()                                             # result unused
+        return x + 1
+
+    x = torch.ones(3)
+    before = comm.seq
+    fn(x)
+    eager = comm.seq - before
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+        before = comm.seq
+        compiled(x)
+        first = comm.seq - before
+        before = comm.seq
+        compiled(x)
+        second = comm.seq - before
+    finally:
+        torch._dynamo.reset()
+    return eager, first, second
 
 
 def _eager_custom_ops(comm):
@@ -274,7 +309,7 @@ def test_functional_and_inplace_ops_compiled(w2):
     n = 2
     base = [torch.arange(2 * n, dtype=torch.float32) + 10 * k for k in range(n)]
     for r, (eager, compiled, expected_sum) in enumerate(res):
-        a, b, c, d, e, f, g, h, i, j, x = compiled
+        a, b, c, d, e, f, g, h, i, j, k, x = compiled
         torch.testing.assert_close(a, expected_sum, rtol=0, atol=0)
         torch.testing.assert_close(b, torch.cat(base))
         torch.testing.assert_close(c, expected_sum[2 * r:2 * r + 2])
@@ -286,9 +321,16 @@ def test_functional_and_inplace_ops_compiled(w2):
         torch.testing.assert_close(h, torch.cat(base))
         torch.testing.assert_close(i, expected_sum[2 * r:2 * r + 2])
         torch.testing.assert_close(j, torch.cat([base[k][2 * r:2 * r + 2] for k in range(n)]))
+        torch.testing.assert_close(k, expected_sum, rtol=0, atol=0)
         torch.testing.assert_close(x, base[r])  # inputs untouched
         for ev, co in zip(eager, compiled):
             torch.testing.assert_close(co, ev, rtol=0, atol=0)
+
+
+def test_collectives_are_not_dead_code(w2):
+    for eager, first, second in w2.run(_unused_results_still_communicate, timeout=COMPILE_TIMEOUT):
+        assert eager == 4, eager
+        assert first == second == eager, (eager, first, second)
 
 
 def test_errors(w2):
@@ -305,3 +347,66 @@ def test_custom_ops_eagerly(w2):
     for t, u in res:
         assert torch.equal(t, torch.full((3,), 3.0))  # 1 + 2
         assert torch.equal(u, torch.full((3,), 1.5))  # 0.5 * (1 + 2)
+
+
+def test_constant_marker_matches_torch():
+    """custom_ops marks its trace-time helpers the way torch's
+    assume_constant_result does, without importing Dynamo at import time."""
+    import torch._dynamo
+
+    mine = custom_ops.assume_constant_result(lambda: 0)
+    theirs = torch._dynamo.assume_constant_result(lambda: 0)
+    assert vars(mine) == vars(theirs) and vars(mine)
+
+
+def test_import_does_not_load_dynamo():
+    import subprocess
+    import sys
+
+    code = "import sys, streamcoll; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.cuda
+def test_compiled_async_step_cuda_one_rank():
+    """One GPU, one NCCL rank (all_reduce is the identity): the compiled step
+    (inductor, fork/all_reduce/join around the comm stream) equals eager."""
+    import torch._dynamo
+    import torch.distributed as dist
+
+    comm = streamcoll.new_communicator(backend="nccl", device="cuda:0", store=dist.HashStore(),
+                                       rank=0, world_size=1, name="compile-cuda")
+    old = torch._dynamo.config.trace_autograd_ops
+    torch._dynamo.config.trace_autograd_ops = True
+    try:
+        def make(model):
+            params = list(model.parameters())
+
+            def step(x, y):
+                loss = (model(x) - y).pow(2).mean()
+                loss.backward()
+                works = [streamcoll.all_reduce(p.grad, op=streamcoll.ReduceOp.AVG, group=comm, async_op=True)
+                         for p in params]
+                with torch.no_grad():
+                    for p, w in zip(params, works):
+                        w.wait()
+                        p.sub_(0.1 * p.grad)
+                        p.grad = None
+                return loss.detach()
+            return step
+
+        data = [(torch.randn(3, 4, device="cuda"), torch.randn(3, 2, device="cuda")) for _ in range(STEPS)]
+        eager_model, model = _model().cuda(), _model().cuda()
+        eager = [make(eager_model)(x, y).item() for x, y in data]
+        torch._dynamo.reset()
+        compiled = torch.compile(make(model), backend="inductor", fullgraph=True)
+        got = [compiled(x, y).item() for x, y in data]
+        torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
+        for a, b in zip(model.parameters(), eager_model.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    finally:
+        torch._dynamo.config.trace_autograd_ops = old
+        torch._dynamo.reset()
+        comm.destroy()

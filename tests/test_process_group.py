@@ -7,13 +7,14 @@ free loopback port chosen in the parent, and destroys it at the end.
 """
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-import streamcoll
+import streamcoll  # noqa: F401  (importing registers the backend)
 from streamcoll.process_group import ProcessGroupStreamcoll, StreamcollWork
 
 from conftest import get_world, needs_oneccl
@@ -25,6 +26,18 @@ pytestmark = [needs_oneccl, pytest.mark.world]
 def _init(backend: str, port: int, rank: int, size: int) -> None:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=timedelta(seconds=60))
+
+
+def _settle_gloo() -> None:
+    """torch 2.13 + gloo: works DDP launches during backward carry a Python
+    object in their thread-local state (the context backward() stashes), and
+    a gloo worker thread needs the GIL to free them. When the DDP module is
+    freed, ~ProcessGroupGloo joins those workers with the GIL held, so a
+    worker still freeing such a work deadlocks the rank (seen here, about
+    one run in five). A barrier (waited with the GIL released) and a short
+    sleep let the workers finish first."""
+    dist.barrier()
+    time.sleep(0.1)
 
 
 # ---------------------------------------------------------------- workers
@@ -114,6 +127,15 @@ def _collectives(comm, port):
         cm.wait()
         out["coalesced"] = (a.tolist(), b.tolist())
 
+        # with a device: torch brackets the ops with start/end_coalescing
+        with dist.distributed_c10d._coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
+            a = torch.full((2,), float(r + 1))
+            b = torch.full((1,), float(r + 3))
+            dist.all_reduce(a, op=dist.ReduceOp.MAX)
+            dist.all_reduce(b, op=dist.ReduceOp.MAX)
+        cm.wait()
+        out["coalesced_device"] = (a.tolist(), b.tolist())
+
         dist.barrier()
 
         errors = []
@@ -159,6 +181,7 @@ def _ddp_train(comm, backend: str, port: int, steps: int, bucket_cap_mb: float):
             opt.zero_grad()
             loss.backward()
             opt.step()
+        _settle_gloo()
         return [p.detach().clone() for p in model.parameters()]
     finally:
         dist.destroy_process_group()
@@ -201,6 +224,7 @@ def test_collectives_through_torch_distributed(w2):
         if r == 1:
             assert out["recv"] == [42.0, 42.0]
         assert out["coalesced"] == ([1.0, 1.0], [2.0, 2.0, 2.0])
+        assert out["coalesced_device"] == ([float(n)] * 2, [float(n + 2)])
         ni = out["not_implemented"]
         assert ni[0] is not None and "recv_anysource" in ni[0]
         assert ni[1] is not None and "monitored_barrier" in ni[1]
@@ -254,3 +278,35 @@ def test_bad_arguments_raise_before_any_call():
     with pytest.raises(NotImplementedError, match="split_group"):
         pg.split_group([0])
     assert pg.getBackendName() == "streamcoll" and pg.rank() == 0 and pg.size() == 1
+
+
+@pytest.mark.cuda
+def test_ddp_cuda_one_rank():
+    """cuda tensors go to an NCCL communicator: DDP on one GPU, one rank,
+    equals the plain model (the all-reduce of one rank is the identity)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("streamcoll", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        a = torch.nn.Linear(8, 4).cuda()
+        b = torch.nn.Linear(8, 4).cuda()
+        b.load_state_dict(a.state_dict())
+        ddp = DDP(a, device_ids=[0])
+        oa = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        ob = torch.optim.SGD(b.parameters(), lr=0.1)
+        for _ in range(3):
+            x = torch.randn(5, 8, device="cuda")
+            for m, o in ((ddp, oa), (b, ob)):
+                o.zero_grad()
+                m(x).pow(2).sum().backward()
+                o.step()
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(p, q)
+        t = torch.ones(3, device="cuda")
+        w = dist.all_reduce(t, async_op=True)
+        assert w.get_future().wait()[0].device.type == "cuda"
+        w.wait()
+        assert t.tolist() == [1.0, 1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
