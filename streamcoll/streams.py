@@ -260,6 +260,7 @@ class CpuRuntime(Runtime):
                 item.done = True
                 self._pending -= 1
                 cbs = item.callbacks
+                item.callbacks = None  # no Work <-> item reference cycle once fired
                 cond.notify_all()
             if cbs:
                 for cb in cbs:
