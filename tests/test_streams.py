@@ -166,7 +166,7 @@ def test_cache_keying_per_current_stream(world2):
 def test_event_pool_does_not_grow_over_10k_calls(world2):
     res = world2.run(w_event_pool_no_growth, 10_000, timeout=240)
     for before, after_n, after_burst, pooled, value in res:
-        assert before == 1
+        assert before >= 1  # a recycled thread id may find an earlier thread's lane
         assert after_n == before, f"10k sequential async calls grew the event pool {before} -> {after_n}"
         assert after_burst <= max(before, 8), "8 outstanding works need at most 8 events"
         assert pooled == after_burst, "every event came back to the pool"
