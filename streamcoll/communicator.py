@@ -755,11 +755,12 @@ class Communicator:
         ro = np.concatenate(([0], np.cumsum(recv)[:-1])).tolist()
         ib, ob = inp.data_ptr(), out.data_ptr()
         cast = self._ffi.cast
-        sends = [(cast("void *", ib + so[p] * esz), send[p], p) for p in range(self._size) if send[p]]
-        recvs = [(cast("void *", ob + ro[p] * esz), recv[p], p) for p in range(self._size) if recv[p]]
-        return self._p2p_group(sends, recvs, d)
+        sends = [(cast("void *", ib + so[p] * esz), send[p], p, d) for p in range(self._size) if send[p]]
+        recvs = [(cast("void *", ob + ro[p] * esz), recv[p], p, d) for p in range(self._size) if recv[p]]
+        return self._p2p_group(sends, recvs)
 
-    def _p2p_group(self, sends, recvs, d):
+    def _p2p_group(self, sends, recvs):
+        """One group launch of Send/Recv; entries are ``(ptr, count, peer, dtype)``."""
         fs, fr, gs, ge = self._c["send"], self._c["recv"], self._c["group_start"], self._c["group_end"]
         comm = self._handle
 
@@ -768,11 +769,11 @@ class Communicator:
             if rc:
                 raise self._err("group_start", rc)
             err = None
-            for p, c, peer in sends:
+            for p, c, peer, d in sends:
                 rc = fs(p, c, d, peer, comm, h)
                 if rc and err is None:
                     err = ("send", rc)
-            for p, c, peer in recvs:
+            for p, c, peer, d in recvs:
                 rc = fr(p, c, d, peer, comm, h)
                 if rc and err is None:
                     err = ("recv", rc)
@@ -799,14 +800,10 @@ class Communicator:
             raise ValueError(f"output_tensor_list[{me}]: expected {ins[me].numel()} elements "
                              f"(input_tensor_list[{me}] is sent to this rank itself), got {outs[me].numel()}")
         vp = self._vp
-        sends = [(vp(ins[p]), ins[p].numel(), p) for p in range(self._size) if p != me and ins[p].numel()]
-        recvs = [(vp(outs[p]), outs[p].numel(), p) for p in range(self._size) if p != me and outs[p].numel()]
-        fn0 = self._p2p_group(sends, recvs, d)
+        sends = [(vp(ins[p]), ins[p].numel(), p, d) for p in range(self._size) if p != me and ins[p].numel()]
+        recvs = [(vp(outs[p]), outs[p].numel(), p, d) for p in range(self._size) if p != me and outs[p].numel()]
+        fn = self._p2p_group(sends, recvs)
         src, dstt = ins[me], outs[me]
-
-        def fn(h):
-            fn0(h)
-
         post = lambda: dstt.copy_(src.view(dstt.shape) if src.shape != dstt.shape else src)  # noqa: E731
         return self._launch("all_to_all", fn, post, (*ins, *outs), tuple(outs), async_op, stream)
 
@@ -847,9 +844,9 @@ class Communicator:
         # oneCCL has no Gather: Send/Recv in one group (a oneCCL log line
         # "not completed event is destroyed" may appear; results are complete).
         vp = self._vp
-        sends = [] if me == dst or not n else [(vp(t), n, dst)]
-        recvs = [(vp(o), n, p) for p, o in enumerate(outs) if p != me and n]
-        fn = self._p2p_group(sends, recvs, d)
+        sends = [] if me == dst or not n else [(vp(t), n, dst, d)]
+        recvs = [(vp(o), n, p, d) for p, o in enumerate(outs) if p != me and n]
+        fn = self._p2p_group(sends, recvs)
         post = (lambda: outs[me].view(-1).copy_(t.view(-1))) if me == dst else None
         return self._launch("gather", fn, post, (t, *outs), tuple(outs), async_op, stream)
 
@@ -883,9 +880,9 @@ class Communicator:
 
             return self._launch("scatter", fn, None, (t, flat), (t,), async_op, stream)
         vp = self._vp
-        sends = [(vp(x), n, p) for p, x in enumerate(ins) if p != me and n]
-        recvs = [] if me == src or not n else [(vp(t), n, src)]
-        fn = self._p2p_group(sends, recvs, d)
+        sends = [(vp(x), n, p, d) for p, x in enumerate(ins) if p != me and n]
+        recvs = [] if me == src or not n else [(vp(t), n, src, d)]
+        fn = self._p2p_group(sends, recvs)
         post = (lambda: t.view(-1).copy_(ins[me].view(-1))) if me == src else None
         return self._launch("scatter", fn, post, (t, *ins), (t,), async_op, stream)
 
@@ -937,7 +934,6 @@ class Communicator:
         if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
             raise ValueError("p2p_op_list: expected a non-empty list of P2POp")
         sends, recvs, keep = [], [], []
-        dtype = None
         for i, p in enumerate(p2p_op_list):
             opname = getattr(getattr(p, "op", None), "__name__", "")
             if opname in ("isend", "send"):
@@ -950,35 +946,9 @@ class Communicator:
             if grp is not None and grp is not self:
                 raise ValueError(f"p2p_op_list[{i}].group: expected this communicator or None")
             t, peer, d = self._p2p_args(kind, p.tensor, p.peer, f"p2p_op_list[{i}].{name}")
-            if dtype is None:
-                dtype = d
-            elif d != dtype:
-                # Each op carries its own dtype; the group helper takes one, so build per-op fns.
-                dtype = -1
             (sends if kind == "send" else recvs).append((self._vp(t), t.numel(), peer, d))
             keep.append(t)
-        fs, fr, gs, ge = self._c["send"], self._c["recv"], self._c["group_start"], self._c["group_end"]
-        comm = self._handle
-
-        def fn(h):
-            rc = gs()
-            if rc:
-                raise self._err("group_start", rc)
-            err = None
-            for p, c, peer, d in sends:
-                rc = fs(p, c, d, peer, comm, h)
-                if rc and err is None:
-                    err = ("send", rc)
-            for p, c, peer, d in recvs:
-                rc = fr(p, c, d, peer, comm, h)
-                if rc and err is None:
-                    err = ("recv", rc)
-            rc = ge()
-            if err is not None:
-                raise self._err(*err)
-            if rc:
-                raise self._err("group_end", rc)
-
+        fn = self._p2p_group(sends, recvs)
         self._p2p += 1
         return [self._launch("batch_isend_irecv", fn, None, tuple(keep), tuple(keep), True, None)]
 

@@ -101,6 +101,8 @@ class Binding:
     install_hint: str = ""
     probe_symbol: str = ""
     result_enum: str = ""
+    error_string_symbol: str = ""
+    last_error_symbol: str = ""
     min_versions: Dict[str, str] = {}
     error_class: type = Exception
 
@@ -213,18 +215,40 @@ class Binding:
     _prev_last_error = ""
 
     def _error_string(self, code: int) -> str:
-        raise NotImplementedError
+        lib = self._lib
+        if lib is None:
+            return ""
+        return self._cstr(getattr(lib, self.error_string_symbol)(code))
 
     def _last_error(self, comm) -> str:
-        raise NotImplementedError
+        lib = self._lib
+        if lib is None or not lib.has(self.last_error_symbol):
+            return ""
+        return self._cstr(getattr(lib, self.last_error_symbol)(comm if comm is not None else self.ffi.NULL))
 
     def _cstr(self, p) -> str:
         if p == self.ffi.NULL:
             return ""
         return self.ffi.string(p).decode("utf-8", "replace").strip()
 
+    def version(self) -> int:
+        """The library's version code (``probe_symbol`` is its GetVersion)."""
+        lib = self.lib()
+        v = self.ffi.new("int *")
+        rc = getattr(lib, self.probe_symbol)(v)
+        if rc:
+            raise self.error(self.probe_symbol, rc)
+        return v[0]
+
+    @staticmethod
+    def split_version(code: int) -> Tuple[int, int, int]:
+        """(major, minor, patch) of a version code major*10000+minor*100+patch."""
+        return code // 10000, code // 100 % 100, code % 100
+
     def version_string(self) -> str:
-        raise NotImplementedError
+        if self._lib is None:
+            return "(not loaded)"
+        return "%d.%d.%d" % self.split_version(self.version())
 
 
 def _resolved_path(path: str, soname: str) -> str:

@@ -72,6 +72,8 @@ class _Nccl(Binding):
     install_hint = "pip install nvidia-nccl-cu12   (or nvidia-nccl-cu13 for CUDA 13)"
     probe_symbol = "ncclGetVersion"
     result_enum = "ncclResult_t"
+    error_string_symbol = "ncclGetErrorString"
+    last_error_symbol = "ncclGetLastError"
     error_class = NcclError
     min_versions = _MIN_VERSIONS
 
@@ -89,34 +91,11 @@ class _Nccl(Binding):
         out.append(("system loader", self.soname))
         return out
 
-    def _error_string(self, code: int) -> str:
-        lib = self._lib
-        if lib is None:
-            return ""
-        return self._cstr(lib.ncclGetErrorString(code))
-
-    def _last_error(self, comm) -> str:
-        lib = self._lib
-        if lib is None or not lib.has("ncclGetLastError"):
-            return ""
-        return self._cstr(lib.ncclGetLastError(comm if comm is not None else self.ffi.NULL))
-
-    def version(self) -> int:
-        """NCCL_VERSION_CODE of the loaded library (2.32.3 is 23203)."""
-        lib = self.lib()
-        v = self.ffi.new("int *")
-        rc = lib.ncclGetVersion(v)
-        if rc:
-            raise self.error("ncclGetVersion", rc)
-        return v[0]
-
-    def version_string(self) -> str:
-        if self._lib is None:
-            return "(not loaded)"
-        v = self.version()
-        if v < 10000:  # NCCL_VERSION before 2.9: X*1000 + Y*100 + Z
-            return f"{v // 1000}.{v // 100 % 10}.{v % 100}"
-        return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+    @staticmethod
+    def split_version(code: int):
+        if code < 10000:  # NCCL_VERSION before 2.9: X*1000 + Y*100 + Z
+            return code // 1000, code // 100 % 10, code % 100
+        return code // 10000, code // 100 % 100, code % 100
 
 
 binding = NCCL = _Nccl()

@@ -41,6 +41,8 @@ class _Oneccl(Binding):
     install_hint = "bash scripts/setup.sh  (apt libfabric1 + the oneccl, oneccl-cpu wheels with --no-deps)"
     probe_symbol = "onecclGetVersion"
     result_enum = "onecclResult_t"
+    error_string_symbol = "onecclGetErrorString"
+    last_error_symbol = "onecclGetLastError"
     error_class = OnecclError
     # Every function in native/oneccl.h is in 2022.2.0, the first release with
     # the C API.
@@ -59,33 +61,6 @@ class _Oneccl(Binding):
         out.append(("streamcoll runtime", str(runtime_home() / "oneccl" / "lib" / self.soname)))
         out.append(("system loader", self.soname))
         return out
-
-    def _error_string(self, code: int) -> str:
-        lib = self._lib
-        if lib is None:
-            return ""
-        return self._cstr(lib.onecclGetErrorString(code))
-
-    def _last_error(self, comm) -> str:
-        lib = self._lib
-        if lib is None:
-            return ""
-        return self._cstr(lib.onecclGetLastError(comm if comm is not None else self.ffi.NULL))
-
-    def version(self) -> int:
-        """ONECCL_VERSION_CODE of the loaded library (major*10000+minor*100+patch)."""
-        lib = self.lib()
-        v = self.ffi.new("int *")
-        rc = lib.onecclGetVersion(v)
-        if rc:
-            raise self.error("onecclGetVersion", rc)
-        return v[0]
-
-    def version_string(self) -> str:
-        if self._lib is None:
-            return "(not loaded)"
-        v = self.version()
-        return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
 
 
 binding = ONECCL = _Oneccl()
