@@ -19,9 +19,9 @@ one the issue's bandwidth targets are stated in.
 from __future__ import annotations
 
 import statistics
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
-__all__ = ["BUS_FACTOR", "bus_factor", "algbw", "busbw", "Stats", "summarise", "fmt_bytes"]
+__all__ = ["BUS_FACTOR", "bus_factor", "algbw", "busbw", "Stats", "summarise", "fmt_bytes", "ratio"]
 
 # collective -> busbw factor as a function of the rank count n (PERFORMANCE.md).
 BUS_FACTOR = {
@@ -106,13 +106,7 @@ def fmt_bytes(n: int) -> str:
 
 
 def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    """a / b, or None when either is missing or b is 0."""
     if a is None or b is None or b == 0:
         return None
     return a / b
-
-
-__all__ += ["ratio"]
-
-
-def median(xs: List[float]) -> float:
-    return statistics.median(xs)

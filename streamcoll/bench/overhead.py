@@ -31,7 +31,7 @@ import time
 import timeit
 from typing import Callable, Dict, List
 
-from .machine import describe, loadavg, summary_line
+from .machine import cpu_snapshot, cpu_usage, describe, loadavg, summary_line
 from .metrics import Stats
 
 __all__ = ["main", "run"]
@@ -125,9 +125,17 @@ LABELS = {
 }
 
 
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+
+
 def run(device: str = "cpu", calls: int = 1000, reps: int = 21, baseline: bool = True,
-        warmup: int = 200, threshold: float = 1.5) -> Dict[str, object]:
-    """Time every variant; returns the JSON record."""
+        warmup: int = 200, threshold: float = 1.5, clock: str = "wall") -> Dict[str, object]:
+    """Time every variant; returns the JSON record.
+
+    ``clock="process"`` counts the CPU time of all the process's threads
+    instead of wall time: on a loaded machine it leaves out the time the
+    process waited for a core, at the price of not counting thread hand-off
+    latency (it flatters (d) and gloo, whose work runs on other threads)."""
     import torch
     comm = _setup(device, baseline)
     t = torch.full((1,), 3.0, dtype=torch.float32, device=device)
@@ -136,7 +144,7 @@ def run(device: str = "cpu", calls: int = 1000, reps: int = 21, baseline: bool =
     for fn in variants.values():
         fn(warmup)
     samples: Dict[str, List[float]] = {k: [] for k in names}
-    pc = time.perf_counter
+    pc = CLOCKS[clock]
     for r in range(reps):
         k = r % len(names)
         for name in names[k:] + names[:k]:  # rotate the order every repetition
@@ -150,7 +158,7 @@ def run(device: str = "cpu", calls: int = 1000, reps: int = 21, baseline: bool =
     stats = {k: Stats(v, threshold) for k, v in samples.items()}
     raw = stats["raw"].median
     rec: Dict[str, object] = {
-        "device": device, "backend": comm.backend, "calls": calls, "reps": reps,
+        "device": device, "backend": comm.backend, "calls": calls, "reps": reps, "clock": clock,
         "tensor": {"numel": 1, "dtype": "float32"},
         "results": {
             k: {"label": LABELS[k], "time_us": s.as_us(), "ratio_to_raw": s.median / raw,
@@ -167,33 +175,113 @@ def run(device: str = "cpu", calls: int = 1000, reps: int = 21, baseline: bool =
     return rec
 
 
-def breakdown(comm, t) -> Dict[str, float]:
-    """ns per step of what ``comm.all_reduce(t)`` does, each timed alone."""
-    import threading
-    import torch
+def layers(comm, t, calls: int = 500, reps: int = 41, clock: str = "wall") -> Dict[str, Dict[str, float]]:
+    """The call path rebuilt layer by layer from the real pieces, each layer
+    adding one step to the one before, timed interleaved like the variants:
+    the differences say what each step costs in place (us per call)."""
     import streamcoll
-    ffi = comm._ffi
-    lock = threading.Lock()
+    from streamcoll.communicator import _Tensor
     b = comm._backend
     f = getattr(b.lib(), b.funcs["all_reduce"])
     dt, op, h = b.dtypes[t.dtype], b.ops["SUM"], comm.handle
-    ptr = ffi.cast("void *", t.data_ptr())
-    null = ffi.NULL
-    env = {"t": t, "T": torch.Tensor, "ffi": ffi, "lock": lock, "comm": comm, "SUM": streamcoll.ReduceOp.SUM,
-           "f": f, "dt": dt, "op": op, "h": h, "ptr": ptr, "null": null, "dts": comm._dtypes}
+    ptr = comm._vp(t)
+    null = comm._ffi.NULL
+    rt = comm._rt
+    dtypes, ptrs = comm._dtypes, comm._ptrs
+
+    def l0(n):
+        for _ in range(n):
+            rc = f(ptr, ptr, 1, dt, op, h, null)
+            if rc:
+                raise RuntimeError(rc)
+
+    def l1(n):  # + the per-call closure, as all_reduce builds it
+        for _ in range(n):
+            def fn(hh):
+                rc = f(ptr, ptr, 1, dt, op, h, hh)
+                if rc:
+                    raise RuntimeError(rc)
+            fn(null)
+
+    def l2(n):  # + CpuRuntime.run_current (exec lock, pending check)
+        run = rt.run_current
+        for _ in range(n):
+            def fn(hh):
+                rc = f(ptr, ptr, 1, dt, op, h, hh)
+                if rc:
+                    raise RuntimeError(rc)
+            run(fn, None)
+
+    def l3(n):  # + reading and checking the tensor (type, device, layout, dtype, numel, pointer)
+        run = rt.run_current
+        for _ in range(n):
+            x = t
+            if not (type(x) is _Tensor and x.is_cpu and x.is_contiguous()):
+                raise TypeError
+            d = dtypes.get(x.dtype)
+            cnt = x.numel()
+            p = ptrs.get(x.data_ptr())
+
+            def fn(hh):
+                rc = f(p, p, cnt, d, op, h, hh)
+                if rc:
+                    raise RuntimeError(rc)
+            run(fn, None)
+
+    def l4(n):  # the real method: + op lookup, Communicator._launch (state checks, flight record)
+        ar = comm.all_reduce
+        for _ in range(n):
+            ar(t)
+
+    def l5(n):  # + the module-level function (default communicator lookup)
+        ar = streamcoll.all_reduce
+        for _ in range(n):
+            ar(t)
+
     steps = {
-        "type(t) is Tensor and t.is_cpu and t.is_contiguous()": "type(t) is T and t.is_cpu and t.is_contiguous()",
-        "dtype table lookup (t.dtype)": "dts.get(t.dtype)",
+        "raw C call": l0,
+        "+ closure fn(h)": l1,
+        "+ CpuRuntime.run_current": l2,
+        "+ tensor checks and reads": l3,
+        "= comm.all_reduce (+ op lookup, _launch)": l4,
+        "= streamcoll.all_reduce (+ module function)": l5,
+    }
+    pc = CLOCKS[clock]
+    samples: Dict[str, List[float]] = {k: [] for k in steps}
+    names = list(steps)
+    for fn in steps.values():
+        fn(100)
+    for r in range(reps):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            t0 = pc()
+            steps[name](calls)
+            samples[name].append((pc() - t0) / calls * 1e6)
+    return {k: {"median": Stats(v).median, "min": Stats(v).min} for k, v in samples.items()}
+
+
+def step_costs(t) -> Dict[str, float]:
+    """ns of single Python operations on the path (timeit, best of 5): what
+    the layers are made of on this machine."""
+    import threading
+    import time as _time
+    import weakref
+    import torch
+    lock = threading.Lock()
+    env = {"t": t, "T": torch.Tensor, "lock": lock, "time": _time, "weakref": weakref}
+    stmts = {
+        "t.is_cpu and t.is_contiguous()": "t.is_cpu and t.is_contiguous()",
+        "t.dtype": "t.dtype",
         "t.numel()": "t.numel()",
-        "ffi.cast('void *', t.data_ptr())": "ffi.cast('void *', t.data_ptr())",
-        "closure creation": "def fn(hh): pass",
-        "with threading.Lock()": "with lock: pass",
-        "raw C call": "f(ptr, ptr, 1, dt, op, h, null)",
-        "comm.all_reduce(t) (whole call)": "comm.all_reduce(t)",
+        "t.data_ptr()": "t.data_ptr()",
+        "lock.acquire(); lock.release()": "lock.acquire(); lock.release()",
+        "time.monotonic_ns()": "time.monotonic_ns()",
+        "weakref.ref(t)": "weakref.ref(t)",
+        "(t,)": "(t,)",
     }
     out = {}
-    for label, stmt in steps.items():
-        n = 20000
+    for label, stmt in stmts.items():
+        n = 100000
         out[label] = min(timeit.repeat(stmt, globals=env, number=n, repeat=5)) / n * 1e9
     return out
 
@@ -216,7 +304,7 @@ def profile(comm, t, calls: int = 20000, top: int = 15) -> str:
 
 def format_table(rec: Dict[str, object]) -> str:
     lines = [f"per-call overhead, world size 1, 1-element float32 all_reduce, device {rec['device']} "
-             f"({rec['backend']}); median of {rec['reps']} x {rec['calls']} calls",
+             f"({rec['backend']}); median of {rec['reps']} x {rec['calls']} calls, {rec['clock']} clock",
              f"{'variant':44s} {'median us':>10s} {'min us':>8s} {'max us':>8s} {'x raw':>7s}"]
     for k, r in rec["results"].items():  # type: ignore[union-attr]
         tu = r["time_us"]
@@ -234,6 +322,8 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=1000, help="calls per repetition (default 1000)")
     p.add_argument("--reps", type=int, default=21, help="repetitions, interleaved across variants (default 21)")
     p.add_argument("--no-baseline", action="store_true", help="skip torch.distributed")
+    p.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                   help="wall (default) or process: CPU time of the process, for a loaded machine")
     p.add_argument("--noise-threshold", type=float, default=1.5, help="warn when max/min of a variant exceeds this")
     p.add_argument("--profile", action="store_true", help="also print a cProfile of (b) and a per-step breakdown")
     p.add_argument("--json", help="write the results (and the machine description) here")
@@ -249,11 +339,13 @@ def main(argv=None) -> int:
         os.environ.setdefault(k, v)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     load0 = loadavg()
-    rec = run(a.device, a.calls, a.reps, not a.no_baseline, threshold=a.noise_threshold)
+    cpu0 = cpu_snapshot()
+    rec = run(a.device, a.calls, a.reps, not a.no_baseline, threshold=a.noise_threshold, clock=a.clock)
     import streamcoll
     comm = streamcoll.default_communicator()
     mach = describe(a.device)
     mach["loadavg_before"] = load0
+    mach["cpu_usage"] = cpu_usage(cpu0, cpu_snapshot())
     rec["machine"] = mach
     text = format_table(rec)
     noisy = [k for k, r in rec["results"].items() if r["noisy"]]  # type: ignore[union-attr]
@@ -264,10 +356,16 @@ def main(argv=None) -> int:
     if a.profile:
         import torch
         t = torch.full((1,), 3.0, dtype=torch.float32, device=a.device)
-        bd = breakdown(comm, t)
-        rec["breakdown_ns"] = bd
-        out.append("\nstep-by-step (each timed alone, best of 5, ns):")
-        out += [f"  {k:58s} {v:8.0f}" for k, v in bd.items()]
+        ly = layers(comm, t, clock=a.clock)
+        rec["layers_us"] = ly
+        base = ly["raw C call"]["median"]
+        out.append(f"\nthe call path layer by layer (us per call, {a.clock} clock; +us over the raw call):")
+        out += [f"  {k:48s} median {v['median']:6.2f} (+{v['median'] - base:5.2f})  min {v['min']:6.2f}"
+                for k, v in ly.items()]
+        sc = step_costs(t)
+        rec["step_costs_ns"] = sc
+        out.append("\nsingle operations (ns, best of 5):")
+        out += [f"  {k:48s} {v:6.0f}" for k, v in sc.items()]
         prof = profile(comm, t)
         rec["profile"] = prof
         out.append("\ncProfile of streamcoll.all_reduce(t), 20000 calls (profiler overhead inflates Python frames):")

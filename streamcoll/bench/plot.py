@@ -38,8 +38,13 @@ def plot(doc: Dict[str, Any], path: str) -> None:
                 label = (f"torch.distributed ({base})" if lib == "torch" else
                          "raw C call" if lib == "raw" else "streamcoll") + suffix
                 x = [p[0] for p in pts]
-                ax_t.plot(x, [p[1]["time_us"]["median"] for p in pts], label=label, **_STYLE[lib])
-                ax_b.plot(x, [p[1]["busbw"] for p in pts], label=label, **_STYLE[lib])
+                style = dict(_STYLE[lib])
+                if asy:  # async_op=True: dotted, hollow markers
+                    style.update(linestyle=":", markerfacecolor="none")
+                if len({d for d, _ in variants}) > 1:
+                    style["alpha"] = 1.0 - 0.35 * sorted({d for d, _ in variants}).index(dt)
+                ax_t.plot(x, [p[1]["time_us"]["median"] for p in pts], label=label, **style)
+                ax_b.plot(x, [p[1]["busbw"] for p in pts], label=label, **style)
         for ax in (ax_t, ax_b):
             ax.set_xscale("log", base=2)
             ax.grid(True, which="both", alpha=0.3)
@@ -55,5 +60,20 @@ def plot(doc: Dict[str, Any], path: str) -> None:
     fig.suptitle(f"streamcoll vs torch.distributed ({base}), {meta.get('world_size')} ranks, "
                  f"{m.get('cpu', '')} x{m.get('nproc', '')}, load {m.get('loadavg_before')}", fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
-    fig.savefig(path, dpi=72)
+    _save_small(fig, path)
     plt.close(fig)
+
+
+def _save_small(fig, path: str) -> None:
+    """PNG with a 64-colour palette (a quarter of the size of the RGBA file,
+    for results kept in the repository); plain savefig without Pillow."""
+    import io
+    try:
+        from PIL import Image
+    except ImportError:
+        fig.savefig(path, dpi=72)
+        return
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=72, format="png")
+    buf.seek(0)
+    Image.open(buf).convert("RGB").quantize(colors=64).save(path, optimize=True)
