@@ -128,6 +128,7 @@ class Communicator:
         self._dev_type = device.type
         self._dev_index = device.index if device.type != "cpu" else None
         self._gpu = device.type != "cpu"
+        self._cpu = not self._gpu
         self.timeout = _seconds(timeout)
         if record_stream is None:
             record_stream = os.environ.get("STREAMCOLL_RECORD_STREAM", "0") not in ("", "0", "false", "False")
@@ -549,6 +550,31 @@ class Communicator:
             ptr = self._vp(t)
         if spec[1] is None:
             post = None
+            rt = self._rt
+            if (not async_op and stream is None and self._cpu and comm is not None
+                    and self._failed is None and self._coalescing is None):
+                # The hot path, inlined: what _launch + CpuRuntime.run_current
+                # do for a synchronous host call, without the closure and two
+                # frames (about 1.5 us of a ~10 us call). Same flight record,
+                # same lock, same ordering rule (queued async work first).
+                lock = rt.exec_lock
+                lock.acquire()
+                if not rt._pending:
+                    seq = self._seq = self._seq + 1
+                    self._ring[seq & self._ring_mask] = (seq, "all_reduce", self._p2p)
+                    self._cur = (t,)
+                    try:
+                        rc = f(ptr, ptr, n, d, red, comm, rt._null)
+                    finally:
+                        lock.release()
+                        self._done = seq
+                        self._cur = None
+                    if rc:
+                        exc = self._err("all_reduce", rc)
+                        self._flight.failed(seq, exc)
+                        raise exc
+                    return None
+                lock.release()
         else:
             post = self._post(spec[1], spec[2], t)
 
