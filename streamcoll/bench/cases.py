@@ -112,6 +112,12 @@ class Case:
         self.cap: Optional[int] = None  # max calls per batch (None: unlimited)
         self.setup()
 
+    def timed(self, f, *args):
+        """The callable to time: ``f(*args)``, or with ``async_op=True`` plus ``wait()``."""
+        if self.ctx.async_op:
+            return lambda: f(*args, async_op=True).wait()
+        return lambda: f(*args)
+
     # -- to implement -----------------------------------------------------
     def setup(self) -> None:
         raise NotImplementedError
@@ -183,19 +189,15 @@ class AllReduce(Case):
 
     def streamcoll(self):
         import streamcoll
-        buf, a = self.buf, self.ctx.async_op
+        buf = self.buf
         ar = streamcoll.all_reduce
-        if a:
-            return lambda: ar(buf, async_op=True).wait()
-        return lambda: ar(buf)
+        return self.timed(ar, buf)
 
     def torch(self):
         import torch.distributed as dist
-        buf, a = self.buf, self.ctx.async_op
+        buf = self.buf
         ar = dist.all_reduce
-        if a:
-            return lambda: ar(buf, async_op=True).wait()
-        return lambda: ar(buf)
+        return self.timed(ar, buf)
 
     def raw(self):
         c = self.ctx
@@ -233,19 +235,15 @@ class AllGather(Case):
 
     def streamcoll(self):
         import streamcoll
-        o, i, a = self.out, self.inp, self.ctx.async_op
+        o, i = self.out, self.inp
         f = streamcoll.all_gather_into_tensor
-        if a:
-            return lambda: f(o, i, async_op=True).wait()
-        return lambda: f(o, i)
+        return self.timed(f, o, i)
 
     def torch(self):
         import torch.distributed as dist
-        o, i, a = self.out, self.inp, self.ctx.async_op
+        o, i = self.out, self.inp
         f = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the 2.13 name
-        if a:
-            return lambda: f(o, i, async_op=True).wait()
-        return lambda: f(o, i)
+        return self.timed(f, o, i)
 
     def raw(self):
         c = self.ctx
@@ -285,19 +283,15 @@ class ReduceScatter(Case):
 
     def streamcoll(self):
         import streamcoll
-        o, i, a = self.out, self.inp, self.ctx.async_op
+        o, i = self.out, self.inp
         f = streamcoll.reduce_scatter_tensor
-        if a:
-            return lambda: f(o, i, async_op=True).wait()
-        return lambda: f(o, i)
+        return self.timed(f, o, i)
 
     def torch(self):
         import torch.distributed as dist
-        o, i, a = self.out, self.inp, self.ctx.async_op
+        o, i = self.out, self.inp
         f = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)  # the 2.13 name
-        if a:
-            return lambda: f(o, i, async_op=True).wait()
-        return lambda: f(o, i)
+        return self.timed(f, o, i)
 
     def raw(self):
         c = self.ctx
@@ -336,19 +330,15 @@ class Broadcast(Case):
 
     def streamcoll(self):
         import streamcoll
-        b, a, r = self.buf, self.ctx.async_op, self.root
+        b, r = self.buf, self.root
         f = streamcoll.broadcast
-        if a:
-            return lambda: f(b, r, async_op=True).wait()
-        return lambda: f(b, r)
+        return self.timed(f, b, r)
 
     def torch(self):
         import torch.distributed as dist
-        b, a, r = self.buf, self.ctx.async_op, self.root
+        b, r = self.buf, self.root
         f = dist.broadcast
-        if a:
-            return lambda: f(b, r, async_op=True).wait()
-        return lambda: f(b, r)
+        return self.timed(f, b, r)
 
     def raw(self):
         c = self.ctx
@@ -389,19 +379,15 @@ class AllToAll(Case):
 
     def streamcoll(self):
         import streamcoll
-        o, i, a = self.out, self.inp, self.ctx.async_op
+        o, i = self.out, self.inp
         f = streamcoll.all_to_all_single
-        if a:
-            return lambda: f(o, i, async_op=True).wait()
-        return lambda: f(o, i)
+        return self.timed(f, o, i)
 
     def torch(self):
         import torch.distributed as dist
-        o, i, a = self.out, self.inp, self.ctx.async_op
+        o, i = self.out, self.inp
         f = dist.all_to_all_single
-        if a:
-            return lambda: f(o, i, async_op=True).wait()
-        return lambda: f(o, i)
+        return self.timed(f, o, i)
 
     def raw(self):
         c = self.ctx
