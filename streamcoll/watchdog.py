@@ -171,15 +171,7 @@ def skip_native_teardown() -> bool:
             pass
         import atexit
 
-        def _hard_exit() -> None:
-            for s in (sys.stdout, sys.stderr):
-                try:
-                    s.flush()
-                except Exception:
-                    pass
-            os._exit(1)
-
-        atexit.register(_hard_exit)
+        atexit.register(_exit_now, 1)
         return False
 
 
@@ -355,13 +347,14 @@ class Watchdog:
             self._guards.pop(key, None)
 
 
-def _exit_now() -> None:
+def _exit_now(code: int = EXIT_CODE) -> None:
+    """Flush Python's streams, then end the process without running teardown."""
     for s in (sys.stdout, sys.stderr):
         try:
             s.flush()
         except Exception:
             pass
-    os._exit(EXIT_CODE)
+    os._exit(code)
 
 
 WATCHDOG = Watchdog()

@@ -16,19 +16,7 @@ import streamcoll
 from streamcoll import GradientSync
 
 from conftest import get_world, needs_oneccl
-from world import free_port
-
-
-def _settle_gloo() -> None:
-    """torch 2.13 + gloo: works DDP launches during backward carry a Python
-    object in their thread-local state (the context backward() stashes), and
-    a gloo worker thread needs the GIL to free them. When the DDP module is
-    freed, ~ProcessGroupGloo joins those workers with the GIL held, so a
-    worker still freeing such a work deadlocks the rank (seen here, about
-    one run in five). A barrier (waited with the GIL released) and a short
-    sleep let the workers finish first."""
-    dist.barrier()
-    time.sleep(0.1)
+from world import free_port, settle_gloo
 
 
 class Net(torch.nn.Module):
@@ -84,7 +72,7 @@ def _train_ddp(rank, size, port, data):
                     loss.backward()
             opt.step()
             opt.zero_grad()
-        _settle_gloo()
+        settle_gloo()
         return [p.detach().clone() for p in model.parameters()]
     finally:
         dist.destroy_process_group()

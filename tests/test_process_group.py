@@ -7,7 +7,6 @@ free loopback port chosen in the parent, and destroys it at the end.
 """
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 
 import pytest
@@ -18,7 +17,7 @@ import streamcoll  # noqa: F401  (importing registers the backend)
 from streamcoll.process_group import ProcessGroupStreamcoll, StreamcollWork
 
 from conftest import get_world, needs_oneccl
-from world import free_port
+from world import free_port, settle_gloo
 
 pytestmark = [needs_oneccl, pytest.mark.world]
 
@@ -26,18 +25,6 @@ pytestmark = [needs_oneccl, pytest.mark.world]
 def _init(backend: str, port: int, rank: int, size: int) -> None:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=timedelta(seconds=60))
-
-
-def _settle_gloo() -> None:
-    """torch 2.13 + gloo: works DDP launches during backward carry a Python
-    object in their thread-local state (the context backward() stashes), and
-    a gloo worker thread needs the GIL to free them. When the DDP module is
-    freed, ~ProcessGroupGloo joins those workers with the GIL held, so a
-    worker still freeing such a work deadlocks the rank (seen here, about
-    one run in five). A barrier (waited with the GIL released) and a short
-    sleep let the workers finish first."""
-    dist.barrier()
-    time.sleep(0.1)
 
 
 # ---------------------------------------------------------------- workers
@@ -181,7 +168,7 @@ def _ddp_train(comm, backend: str, port: int, steps: int, bucket_cap_mb: float):
             opt.zero_grad()
             loss.backward()
             opt.step()
-        _settle_gloo()
+        settle_gloo()
         return [p.detach().clone() for p in model.parameters()]
     finally:
         dist.destroy_process_group()

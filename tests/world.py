@@ -163,3 +163,16 @@ class World:
                 p.join(5)
         self.conns = []
         self.procs = []
+
+
+def settle_gloo() -> None:
+    """torch 2.13 + gloo: works DDP launches during backward carry a Python
+    object in their thread-local state (the context backward() stashes), and
+    a gloo worker thread needs the GIL to free them. When the DDP module is
+    freed, ~ProcessGroupGloo joins those workers with the GIL held, so a
+    worker still freeing such a work deadlocks the rank (seen here, about
+    one run in five). A barrier (waited with the GIL released) and a short
+    sleep let the workers finish first."""
+    import torch.distributed as dist
+    dist.barrier()
+    time.sleep(0.1)

@@ -17,6 +17,8 @@ whole send buffer; counts are rounded down to a multiple of ``n`` (at least
 """
 from __future__ import annotations
 
+import functools
+
 import math
 from typing import Any, Callable, Dict, Optional
 
@@ -78,6 +80,21 @@ class Context:
 
     def raise_rc(self, coll: str, rc: int):
         raise self.backend.binding.error(self.backend.funcs[coll], rc, self.handle)
+
+    def raw_call(self, coll: str, *args) -> Optional[Callable[[], None]]:
+        """The C function of ``coll`` bound to ``args`` (a C-level partial,
+        so the raw baseline pays no Python argument handling), checked; None
+        where the library lacks it."""
+        f = self.cfn(coll)
+        if f is None:
+            return None
+        call = functools.partial(f, *args)
+
+        def run():
+            rc = call()
+            if rc:
+                self.raise_rc(coll, rc)
+        return run
 
     def pattern(self, count: int, offset: int, step: int = 1) -> torch.Tensor:
         """``offset + step * (i % 5)`` for i < count, in the context's dtype (exact small ints)."""
@@ -201,16 +218,8 @@ class AllReduce(Case):
 
     def raw(self):
         c = self.ctx
-        f = c.cfn("all_reduce")
-        if f is None:
-            return None
         p, cnt, dt, op, h, s = c.ptr(self.buf), self.count, c.cdt, c.csum, c.handle, c.stream
-
-        def run():
-            rc = f(p, p, cnt, dt, op, h, s)
-            if rc:
-                c.raise_rc("all_reduce", rc)
-        return run
+        return c.raw_call("all_reduce", p, p, cnt, dt, op, h, s)
 
 
 class AllGather(Case):
@@ -247,16 +256,8 @@ class AllGather(Case):
 
     def raw(self):
         c = self.ctx
-        f = c.cfn("all_gather")
-        if f is None:
-            return None
         ip, op_, cnt, dt, h, s = c.ptr(self.inp), c.ptr(self.out), self.chunk, c.cdt, c.handle, c.stream
-
-        def run():
-            rc = f(ip, op_, cnt, dt, h, s)
-            if rc:
-                c.raise_rc("all_gather", rc)
-        return run
+        return c.raw_call("all_gather", ip, op_, cnt, dt, h, s)
 
 
 class ReduceScatter(Case):
@@ -295,16 +296,8 @@ class ReduceScatter(Case):
 
     def raw(self):
         c = self.ctx
-        f = c.cfn("reduce_scatter")
-        if f is None:
-            return None
         ip, op_, cnt, dt, red, h, s = c.ptr(self.inp), c.ptr(self.out), self.chunk, c.cdt, c.csum, c.handle, c.stream
-
-        def run():
-            rc = f(ip, op_, cnt, dt, red, h, s)
-            if rc:
-                c.raise_rc("reduce_scatter", rc)
-        return run
+        return c.raw_call("reduce_scatter", ip, op_, cnt, dt, red, h, s)
 
 
 class Broadcast(Case):
@@ -342,16 +335,8 @@ class Broadcast(Case):
 
     def raw(self):
         c = self.ctx
-        f = c.cfn("broadcast")
-        if f is None:
-            return None
         p, cnt, dt, root, h, s = c.ptr(self.buf), self.count, c.cdt, self.root, c.handle, c.stream
-
-        def run():
-            rc = f(p, p, cnt, dt, root, h, s)
-            if rc:
-                c.raise_rc("broadcast", rc)
-        return run
+        return c.raw_call("broadcast", p, p, cnt, dt, root, h, s)
 
 
 class AllToAll(Case):
@@ -391,16 +376,8 @@ class AllToAll(Case):
 
     def raw(self):
         c = self.ctx
-        f = c.cfn("all_to_all")
-        if f is None:
-            return None
         ip, op_, cnt, dt, h, s = c.ptr(self.inp), c.ptr(self.out), self.chunk, c.cdt, c.handle, c.stream
-
-        def run():
-            rc = f(ip, op_, cnt, dt, h, s)
-            if rc:
-                c.raise_rc("all_to_all", rc)
-        return run
+        return c.raw_call("all_to_all", ip, op_, cnt, dt, h, s)
 
 
 class SendRecv(Case):
