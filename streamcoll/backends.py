@@ -13,6 +13,7 @@ import torch
 
 from ._ffi._common import Binding
 from .errors import CommunicatorError
+from .spec import c_functions
 
 __all__ = ["Backend", "get_backend", "BACKEND_FOR_DEVICE"]
 
@@ -38,21 +39,10 @@ for _name, _suffix in (("float8_e4m3fn", "Float8e4m3"), ("float8_e5m2", "Float8e
 _OP_SUFFIX = {"SUM": "Sum", "PRODUCT": "Prod", "MIN": "Min", "MAX": "Max", "AVG": "Avg"}
 _BOOL_OPS = {"SUM": "Max", "PRODUCT": "Min", "MIN": "Min", "MAX": "Max"}
 
-# Collective -> C function name, per library. A missing entry means the
-# library has no such function; the Communicator composes it (Gather on
-# oneCCL from Send/Recv in a group, say).
-_FUNCS = {
+# C functions that are not collectives (life cycle, groups, composers' parts).
+# The collectives' C functions come from their declarations (streamcoll.spec).
+_LIFECYCLE = {
     "nccl": {
-        "all_reduce": "ncclAllReduce",
-        "broadcast": "ncclBroadcast",
-        "reduce": "ncclReduce",
-        "all_gather": "ncclAllGather",
-        "reduce_scatter": "ncclReduceScatter",
-        "all_to_all": "ncclAlltoAll",
-        "gather": "ncclGather",
-        "scatter": "ncclScatter",
-        "send": "ncclSend",
-        "recv": "ncclRecv",
         "group_start": "ncclGroupStart",
         "group_end": "ncclGroupEnd",
         "get_unique_id": "ncclGetUniqueId",
@@ -66,16 +56,7 @@ _FUNCS = {
         "user_rank": "ncclCommUserRank",
     },
     "oneccl": {
-        "all_reduce": "onecclAllReduce",
-        "broadcast": "onecclBroadcast",
-        "reduce": "onecclReduce",
-        "all_gather": "onecclAllGather",
-        "reduce_scatter": "onecclReduceScatter",
-        "all_to_all": "onecclAllToAll",
         "all_to_all_v": "onecclAllToAllV",
-        "scatter": "onecclScatter",
-        "send": "onecclSend",
-        "recv": "onecclRecv",
         "group_start": "onecclGroupStart",
         "group_end": "onecclGroupEnd",
         "get_unique_id": "onecclGetUniqueId",
@@ -88,6 +69,7 @@ _FUNCS = {
         "user_rank": "onecclCommUserRank",
     },
 }
+_FUNCS = {lib: {**c_functions(lib), **rest} for lib, rest in _LIFECYCLE.items()}
 
 # Reductions a library accepts but does not implement for a device type:
 # oneCCL 2022.2 on the CPU fails AVG with "Unsupported onecclRedOp_t value"
@@ -126,6 +108,9 @@ class Backend:
         # oneCCL 2022.2's CommSplit ignores the key (measured: keys 2,1,0
         # still give parent-rank order).
         self.split_orders_by_key = name == "nccl"
+        # oneCCL's Reduce writes the receive buffer on every rank: non-roots
+        # pass a scratch one (NCCL only writes it on the root).
+        self.nonroot_recv_scratch = name == "oneccl"
 
     def lib(self):
         return self.binding.lib()

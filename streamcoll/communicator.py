@@ -1,54 +1,65 @@
-"""The Communicator: one NCCL or oneCCL communicator plus the two launch
-strategies every collective goes through.
+"""The Communicator: one NCCL or oneCCL communicator, its life cycle, and
+the collectives, each derived from its declaration in :mod:`streamcoll.spec`.
 
 ``async_op=False``, the current-stream strategy: the C call is launched on
-the caller's current stream (CPU: inline on the calling thread). No event, no
-cross-stream wait, no ``record_stream``; ordering with the caller's own work is
-the stream's. Returns None, as torch.distributed does.
+the caller's current stream (CPU: inline on the calling thread). No event,
+no cross-stream wait, no ``record_stream``; ordering with the caller's own
+work is the stream's. Returns None, as torch.distributed does.
 
 ``async_op=True``, the comm-stream strategy: the comm stream cached for the
 caller's (device, current stream) waits on an event recorded on the current
-stream, the collective is launched on it, a completion event is recorded, and a
-:class:`~streamcoll.work.Work` comes back. The tensors stay referenced until
-the caller's stream waited on the completion (or, never waited, until the
-event fired); with ``record_stream=True`` they are instead marked with
+stream, the collective is launched on it, a completion event is recorded, and
+a :class:`~streamcoll.work.Work` comes back. The tensors stay referenced
+until the caller's stream waited on the completion (or, never waited, until
+the event fired); with ``record_stream=True`` they are instead marked with
 ``Tensor.record_stream`` (``STREAMCOLL_RECORD_STREAM=1``).
 
-Everything that can be checked is checked before the first C call, so a bad
-argument raises on the calling rank without leaving the others waiting
-inside a half-issued collective.
+Both strategies are written once (:mod:`streamcoll.launch`). Each collective
+method is generated from the table: the general method (any argument; bad
+input raises before any C call, so nothing is half issued) and, per
+communicator, a fast path for the synchronous common case, installed as an
+instance attribute while the communicator is eligible (no pre-launch hooks,
+not coalescing, not failed or destroyed): :meth:`_refresh_fast_paths` is
+the one place that decides.
+
+Other modules attach through hooks, never by writing privates:
+:meth:`register_pre_hook` (debug checks), :meth:`register_rc_hook`
+(non-blocking NCCL polling), :meth:`mark_failed` (watchdog, process group),
+and the flight recorder the communicator owns (:attr:`flight`).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from . import debug as _debug
+from . import recorder as _flight
+from . import spec as _spec
 from .backends import Backend
 from .errors import CollectiveTimeout, CommunicatorError
-from .ops import ReduceOp, canonical_op, op_key
+from .recorder import FlightEntry
+from .launch import build_fast_path, build_sync_launcher
+from .ops import ReduceOp
+from .plans import PlanContext
+from .spec import Plan
 from .streams import Lane, runtime_for
-from .validation import as_tensor, check_list, check_rank, check_same
 from .work import REAPER, Work
 
-# Flight recorder (streamcoll.flight, imported lazily so that
-# ``python -m streamcoll.flight`` runs without a double import).
+__all__ = ["Communicator", "P2POp", "LaunchRecord", "HookHandle"]
+
 _now = time.monotonic_ns
 _wref = weakref.ref
-
-__all__ = ["Communicator", "P2POp"]
-
 _Tensor = torch.Tensor
 _SUM = ReduceOp.SUM
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 DEFAULT_TIMEOUT = 600.0  # seconds, as torch.distributed's default for NCCL
 
@@ -78,6 +89,35 @@ class P2POp:
         self.tag = tag
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchRecord:
+    """What a pre-launch hook receives: the communicator, the collective's
+    declaration, its arguments by parameter name, and the strategy."""
+
+    comm: "Communicator"
+    spec: _spec.CollectiveSpec
+    args: Dict[str, Any]
+    async_op: bool
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+class HookHandle:
+    """Returned by the ``register_*_hook`` methods; ``remove()`` detaches."""
+
+    __slots__ = ("_remove",)
+
+    def __init__(self, remove: Callable[[], None]) -> None:
+        self._remove: Optional[Callable[[], None]] = remove
+
+    def remove(self) -> None:
+        r, self._remove = self._remove, None
+        if r is not None:
+            r()
+
+
 _LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 
 
@@ -86,12 +126,12 @@ def _after_fork_in_child() -> None:
     peers: mark them unusable (no per-call pid check on the hot path), so a
     call raises instead of driving the parent's native communicator."""
     for c in list(_LIVE):
+        c._forked = True
         if not c._destroyed and c._failed is None:
-            c._failed = CommunicatorError(
+            c.mark_failed(CommunicatorError(
                 f"communicator {c.name!r} was created in process {c._pid} and cannot be used after "
                 f"fork (in {os.getpid()}); create a new one in the child"
-            )
-        c._forked = True
+            ))
 
 
 if hasattr(os, "register_at_fork"):
@@ -128,7 +168,6 @@ class Communicator:
         self._dev_type = device.type
         self._dev_index = device.index if device.type != "cpu" else None
         self._gpu = device.type != "cpu"
-        self._cpu = not self._gpu
         self.timeout = _seconds(timeout)
         if record_stream is None:
             record_stream = os.environ.get("STREAMCOLL_RECORD_STREAM", "0") not in ("", "0", "false", "False")
@@ -136,21 +175,22 @@ class Communicator:
         self._store = store
         self.name = name
         self._pid = os.getpid()
+        self._forked = False
         self._seq = 0
+        self._p2p = 0
         self._failed: Optional[BaseException] = None
         self._destroyed = False
-        self._lock = threading.Lock()
         self._coalescing: Optional[list] = None
         self._coalescing_thread: Optional[int] = None
-        self._dtypes = backend.dtypes
-        self._emulated = backend.emulated(device.type)
-        self._op_cache: Dict[Any, tuple] = {}
+        self._pre_hooks: List[Callable[[LaunchRecord], Any]] = []
+        self._rc_hooks: List[Callable[[str, int], bool]] = []
+        self._debug: Any = None
+        self.nonblocking = False  # NCCL config blocking=0 (set by watchdog.make_nonblocking)
         stream_ctype = "cudaStream_t" if backend.name == "nccl" else "void *"
-        null = ffi.NULL
         cast = ffi.cast
-        hcache: Dict[Any, Any] = {None: null, 0: cast(stream_ctype, 0)}
+        hcache: Dict[Any, Any] = {None: ffi.NULL, 0: cast(stream_ctype, 0)}
 
-        def native(h):
+        def native(h: Any) -> Any:
             c = hcache.get(h)
             if c is None:
                 c = hcache[h] = cast(stream_ctype, h)
@@ -158,37 +198,20 @@ class Communicator:
 
         self._rt = runtime_for(device, native)
         self._lanes: Dict[Any, Lane] = {}
-        # data_ptr -> its ``void *`` cdata. ffi.cast costs ~0.6 us a call (a
-        # third of a small all_reduce's wrapper overhead); the cdata is only an
-        # address, owning nothing, so reusing it for the same address is safe.
-        # Bounded: cleared when full.
-        ptrs: Dict[int, Any] = {}
-        self._ptrs = ptrs
-        voidp = ffi.typeof("void *")
-
-        def vp(t, _get=ptrs.get):
-            a = t.data_ptr()
-            p = _get(a)
-            if p is None:
-                if len(ptrs) >= 4096:
-                    ptrs.clear()
-                p = ptrs[a] = cast(voidp, a)
-            return p
-
-        self._vp = vp
-        self._sum_specs: Dict[torch.dtype, tuple] = {}
-        # C functions, resolved once (lazily failing ones stay None).
-        self._c: Dict[str, Any] = {}
-        for coll, fname in backend.funcs.items():
-            try:
-                self._c[coll] = getattr(self._lib, fname)
-            except AttributeError:
-                self._c[coll] = None
-        self._barrier_buf: Optional[torch.Tensor] = None
-        # Reliability (issue 7): flight recorder ring, debug checks, watchdog.
-        from . import flight, watchdog
-        flight.attach(self)
+        self._cx = PlanContext(self)
+        self._flight = _flight.attach(self)
+        self._launch_sync = build_sync_launcher(self)
+        self._fast: Dict[str, Callable[..., Any]] = {}
+        for name_, s in _spec.TABLE.items():
+            if s.fast:
+                fn = build_fast_path(self, s, getattr(Communicator, name_))
+                if fn is not None:
+                    self._fast[name_] = fn
+                    for a in s.aliases:
+                        self._fast[a] = fn
+        self._refresh_fast_paths()
         _debug.maybe_install(self)
+        from . import watchdog
         watchdog.register(self)
         _LIVE.add(self)
 
@@ -216,7 +239,7 @@ class Communicator:
         return self._backend.name
 
     @property
-    def handle(self):
+    def handle(self) -> Any:
         """The raw ``ncclComm_t`` / ``onecclComm_t`` (cffi pointer)."""
         self._check_usable()
         return self._handle
@@ -226,10 +249,85 @@ class Communicator:
         """How many operations were issued on this communicator."""
         return self._seq
 
+    @property
+    def flight(self) -> _flight.FlightRecorder:
+        """This communicator's flight recorder (recent operations)."""
+        return self._flight
+
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """Why the communicator failed, or None."""
+        return self._failed
+
+    @property
+    def destroyed(self) -> bool:
+        return self._destroyed
+
+    @property
+    def is_gpu(self) -> bool:
+        return self._gpu
+
+    @property
+    def store(self) -> Any:
+        return self._store
+
     def __repr__(self) -> str:
         state = "destroyed" if self._destroyed else ("failed" if self._failed else "live")
         return (f"<streamcoll.Communicator {self.name} backend={self.backend} device={self._device} "
                 f"rank={self._rank} size={self._size} {state}>")
+
+    # ------------------------------------------------------------ fast paths
+    def _refresh_fast_paths(self) -> None:
+        """Install the generated fast paths where the communicator is
+        eligible, remove them where not. The one place that decides: hooks,
+        coalescing, failure and destroy call it."""
+        ok = (not self._destroyed and self._failed is None and not self._pre_hooks
+              and self._coalescing is None and self._handle is not None)
+        d = self.__dict__
+        if ok:
+            d.update(self._fast)
+        else:
+            for k in self._fast:
+                d.pop(k, None)
+
+    @property
+    def fast_path(self) -> bool:
+        """Whether the generated synchronous fast paths are in use now."""
+        return bool(self._fast) and next(iter(self._fast)) in self.__dict__
+
+    # ------------------------------------------------------------ hooks
+    def register_pre_hook(self, hook: Callable[[LaunchRecord], Any]) -> HookHandle:
+        """Call ``hook(LaunchRecord)`` before each collective is planned (it may
+        raise to stop it: no C call is made). While any is registered the
+        fast paths are off."""
+        self._pre_hooks.append(hook)
+        self._refresh_fast_paths()
+
+        def remove() -> None:
+            if hook in self._pre_hooks:
+                self._pre_hooks.remove(hook)
+            self._refresh_fast_paths()
+
+        return HookHandle(remove)
+
+    def register_rc_hook(self, hook: Callable[[str, int], bool]) -> HookHandle:
+        """``hook(c_function, result_code)`` runs when a C call returns a
+        non-zero code; returning True means it handled it (non-blocking NCCL:
+        ``ncclInProgress`` polled to completion), otherwise the error raises."""
+        self._rc_hooks.append(hook)
+        return HookHandle(lambda: self._rc_hooks.remove(hook) if hook in self._rc_hooks else None)
+
+    def mark_failed(self, exc: BaseException, replace: bool = False) -> None:
+        """Mark the communicator failed (later calls raise ``exc`` at once);
+        ``replace``: a more detailed error replaces the one already set."""
+        if self._failed is None or replace:
+            self._failed = exc
+        self._refresh_fast_paths()
+
+    def _pre(self, spec: _spec.CollectiveSpec, args: tuple, async_op: bool) -> None:
+        rec = LaunchRecord(self, spec, dict(zip(spec.param_names, args)), bool(async_op))
+        for h in list(self._pre_hooks):
+            h(rec)
 
     # ------------------------------------------------------------ lifecycle
     def _check_usable(self) -> None:
@@ -256,8 +354,9 @@ class Communicator:
         """
         if self._destroyed:
             return
-        if os.getpid() != self._pid or getattr(self, "_forked", False):
+        if os.getpid() != self._pid or self._forked:
             self._destroyed = True  # the native communicator is the parent's: no C call
+            self._refresh_fast_paths()
             return
         t = self.timeout if timeout is None else _seconds(timeout)
         if self._failed is not None:
@@ -267,13 +366,14 @@ class Communicator:
             for lane in list(self._lanes.values()):
                 lane.stream.synchronize()
         self._destroyed = True
+        self._refresh_fast_paths()
         if finished is False:
             if self._failed is not None:
                 return  # native communicator left allocated: a call still runs inside it
             from .watchdog import handle_timeout
-            stuck = self._inflight_async  # the flight entry of the call that did not return
+            stuck = self._flight.inflight  # the flight entry of the call that did not return
             if stuck is not None:
-                op, seq = stuck[1], stuck[0]
+                op, seq = stuck.op, stuck.seq
                 shapes = [tuple(x) for x in self._flight.describe(self, stuck)["shapes"] if x is not None]
             else:
                 op, seq, shapes = "destroy", self._seq, []
@@ -290,7 +390,7 @@ class Communicator:
         where the library has no abort (oneCCL 2022.2: exit the process)."""
         if self._destroyed or self._handle is None:
             return False
-        self._failed = self._failed or CommunicatorError("communicator aborted")
+        self.mark_failed(self._failed or CommunicatorError("communicator aborted"))
         ok = self._backend.abort(self._handle)
         if ok:
             self._handle = None
@@ -300,10 +400,10 @@ class Communicator:
     def __enter__(self) -> "Communicator":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.destroy()
 
-    def _timed_out(self, op: str, seq: int, timeout: float, tensors, detail: str = "") -> CollectiveTimeout:
+    def _timed_out(self, op: str, seq: int, timeout: float, tensors: Any, detail: str = "") -> CollectiveTimeout:
         """Mark failed, dump the flight record, abort (NCCL); the error to raise."""
         shapes = [tuple(t.shape) for t in (tensors or ()) if isinstance(t, _Tensor)]
         from .watchdog import handle_timeout
@@ -316,102 +416,90 @@ class Communicator:
         from .flight import dump
         return dump(self, path, "on request")
 
-    # ------------------------------------------------------------ helpers
-    def _t(self, t: Any, name: str) -> torch.Tensor:
-        if type(t) is _Tensor and not self._gpu and t.is_cpu and t.is_contiguous():
-            return t
-        return as_tensor(t, name, self._device, self._dev_type, self._dev_index)
-
-    def _dt(self, t: torch.Tensor, opname: str = "", name: str = "tensor") -> int:
-        d = self._dtypes.get(t.dtype)
-        if d is None:
-            supported = ", ".join(str(x).replace("torch.", "") for x in self._dtypes)
-            raise TypeError(
-                f"{name}: dtype {t.dtype} is not supported by {opname or 'this collective'} "
-                f"on backend {self.backend!r} (supported: {supported})"
-            )
-        return d
-
-    def _op(self, op: Any, dtype: torch.dtype, opname: str) -> tuple:
-        """(C reduction, post kind, factor) for ``op`` on ``dtype``; cached."""
-        key = (op_key(op), dtype)
-        spec = self._op_cache.get(key)
-        if spec is not None:
-            return spec
-        name, factor = canonical_op(op)
-        b = self._backend
-        if dtype == torch.bool:
-            if name not in b.bool_ops:
-                raise TypeError(f"op: {name} is not defined for dtype torch.bool in {opname} "
-                                f"on backend {self.backend!r} (SUM, PRODUCT, MIN, MAX are)")
-            spec = (b.bool_ops[name], None, 1.0)
-        elif name in ("AVG", "PREMUL_SUM") and (name in self._emulated or name == "PREMUL_SUM"):
-            if name == "PREMUL_SUM" and dtype not in _FLOATS:
-                raise TypeError(f"op: PREMUL_SUM needs a floating dtype in {opname}, got {dtype} "
-                                f"on backend {self.backend!r}")
-            if name == "AVG" and dtype not in _FLOATS and dtype not in self._dtypes:
-                raise TypeError(f"op: AVG is not supported for {dtype} in {opname} on backend {self.backend!r}")
-            # SUM, then scale the result in place on the same stream.
-            spec = (b.ops["SUM"], name, factor)
-        else:
-            spec = (b.ops[name], None, 1.0)
-        self._op_cache[key] = spec
-        return spec
-
-    def _post(self, kind: Optional[str], factor: float, out: torch.Tensor, applies: bool = True):
-        if kind is None or not applies:
-            return None
-        if kind == "AVG":
-            n = self._size
-            if out.dtype in _FLOATS:
-                return lambda: out.div_(n)
-            return lambda: out.copy_(torch.div(out, n, rounding_mode="trunc"))
-        return lambda: out.mul_(factor)
-
-    def _err(self, fname: str, rc: int):
-        return self._backend.binding.error(self._backend.funcs.get(fname, fname), rc, self._handle)
-
-    def _need(self, coll: str):
-        f = self._c.get(coll)
-        if f is None:
-            fname = self._backend.funcs.get(coll)
-            if fname is None:
-                raise NotImplementedError(f"{coll} is not available on backend {self.backend!r}")
-            getattr(self._lib, fname)  # raises FunctionNotFoundError naming the version
-        return f
-
     # ------------------------------------------------------------ launching
-    def _launch(self, name: str, fn, post, tensors: tuple, outputs: tuple, async_op: bool, stream) -> Optional[Work]:
+    def _raise_rc(self, cname: str, rc: int) -> None:
+        """A C call returned ``rc``: an rc hook may handle it; else raise the library error."""
+        for h in self._rc_hooks:
+            if h(cname, rc):
+                return
+        raise self._backend.binding.error(self._backend.funcs.get(cname, cname), rc, self._handle)
+
+    def _launch(self, name: str, plan: Plan, async_op: Any, stream: Any) -> Optional[Work]:
+        """The one entry of both strategies (general path)."""
+        if async_op is not False and async_op is not True:
+            if not isinstance(async_op, (bool, np.bool_)):
+                raise TypeError(f"async_op: expected a bool, got {async_op!r}")
+            async_op = bool(async_op)
         if self._handle is None or self._failed is not None:
             self._check_usable()
-        self._seq += 1
         if self._coalescing is not None and self._coalescing_thread == threading.get_ident():
-            self._coalescing.append((name, fn, post, tensors, outputs))
+            self._coalescing.append((name, plan))
             return None
-        if not async_op:
-            rt = self._rt
-            # Flight record (layout in flight.py): one 3-tuple, one list store, no
-            # lock; ``_cur`` names the tensors of the call in flight (for a watchdog message).
-            seq = self._seq
-            self._ring[seq & self._ring_mask] = (seq, name, self._p2p)
-            self._cur = tensors
-            try:
-                if stream is None:
-                    rt.run_current(fn, post)
-                else:
-                    rt.run_on(stream, fn, post)
-            except BaseException as x:
-                self._flight.failed(seq, x)
-                raise
-            finally:
-                self._done = seq  # synchronous calls up to here returned
-                self._cur = None
-            return None
-        return self._launch_async(name, fn, post, tensors, outputs)
+        if async_op:
+            if stream is not None:
+                raise ValueError(f"stream: {name}(async_op=True) launches on the comm stream of the current "
+                                 "stream; make the stream current (torch.cuda.stream(s)) instead of passing stream=")
+            return self._launch_async(name, plan)
+        return self._launch_sync(name, plan, stream)
 
-    def _launch_async(self, name, fn, post, tensors, outputs) -> Work:
+    def _run_queued_sync(self, name: str, plan: Plan) -> None:
+        """A synchronous CPU call made while async work is queued: it goes
+        behind that work through the comm thread (issue order), and the
+        caller waits. Called with the exec lock held; releases it."""
+        rt = self._rt
+        try:
+            seq, e = self._new_async_entry(name, plan)
+            item = rt.submit(None, self._execute_host, plan, e)
+        finally:
+            rt.exec_lock.release()
+        rt._wait_item(item, None)
+        if item.exc is not None:
+            raise item.exc
+        return None
+
+    def _new_async_entry(self, name: str, plan: Plan) -> tuple:
+        """Take the next sequence number and record it (exec lock held)."""
+        seq = self._seq = self._seq + 1
+        if plan.p2p:
+            self._p2p += 1
+        e = FlightEntry(seq, name, self._p2p, False, _now(), tuple(map(_wref, plan.keep)), _flight.ENQUEUED)
+        fr = self._flight
+        fr.ring[seq & fr.mask] = e
+        return seq, e
+
+    def _execute_host(self, plan: Plan, e: FlightEntry, h: Any) -> None:
+        """Run a queued plan on the CPU comm thread, stamping its flight entry."""
+        fr = self._flight
+        e.t_start = _now()
+        e.state = _flight.RUNNING
+        fr.inflight = e
+        try:
+            rc = plan.fn(*plan.args, h)
+            if rc:
+                self._raise_rc(plan.cname, rc)
+            if plan.post is not None:
+                plan.post()
+        except BaseException as x:
+            e.state = _flight.FAILED
+            e.error = f"{type(x).__name__}: {x}"
+            raise
+        finally:
+            fr.inflight = None
+        e.t_end = _now()
+        e.state = _flight.COMPLETED
+
+    def _execute_device(self, plan: Plan, e: FlightEntry, h: Any) -> None:
+        """Launch a plan on a GPU comm stream (completion is the event's)."""
+        rc = plan.fn(*plan.args, h)
+        if rc:
+            self._raise_rc(plan.cname, rc)
+        if plan.post is not None:
+            plan.post()
+
+    def _launch_async(self, name: str, plan: Plan) -> Work:
         rt = self._rt
         if self._gpu and rt.is_capturing():
+            # before a sequence number is taken: nothing was issued
             raise RuntimeError(
                 f"{name}(async_op=True) during CUDA graph capture is not supported; use async_op=False "
                 "(it launches on the capturing stream)"
@@ -420,44 +508,33 @@ class Communicator:
         lane = self._lanes.get(key)
         if lane is None:
             lane = self._lanes[key] = rt.new_lane(key)
-        seq = self._seq
-        e = [seq, name, self._p2p, _now(), tuple(map(_wref, tensors)), 0, 0, "enqueued", None, None]
-        self._ring[seq & self._ring_mask] = e
-        if not self._gpu:
-            fn = self._watched(fn, e)
-        token = rt.submit(lane, fn, post, tensors)
-        ev = rt.completion_event(lane, token)
-        if self._gpu:
-            e[5] = e[3]
-            e[7] = "launched"
-            e[8] = ev  # the watchdog polls it
+        lock = rt.exec_lock
+        lock.acquire()
+        try:
+            seq, e = self._new_async_entry(name, plan)
+            if self._gpu:
+                try:
+                    rt.submit(lane, self._execute_device, plan, e)
+                except BaseException as x:
+                    e.state = _flight.FAILED
+                    e.error = f"{type(x).__name__}: {x}"
+                    raise
+                ev = rt.completion_event(lane, None)
+                e.t_start = e.t_enq
+                e.state = _flight.LAUNCHED
+                e.event = ev  # the watchdog polls it
+            else:
+                item = rt.submit(lane, self._execute_host, plan, e)
+                ev = rt.completion_event(lane, item)
+        finally:
+            lock.release()
         stash = None
         if self._gpu:
             if self.record_stream:
-                rt.keep_alive(tensors, lane)
+                rt.keep_alive(plan.keep, lane)
             else:
-                stash = REAPER.add(ev, tensors)
-        return Work(self, rt, lane, ev, self._seq, name, outputs, stash)
-
-    def _watched(self, fn, e: list):
-        """``fn`` for the CPU comm thread, recording start, end and state in
-        flight entry ``e`` (what the watchdog looks at)."""
-        def run(h):
-            e[5] = _now()
-            e[7] = "running"
-            self._inflight_async = e
-            try:
-                fn(h)
-            except BaseException as x:
-                e[7] = "failed"
-                e[9] = f"{type(x).__name__}: {x}"
-                raise
-            finally:
-                self._inflight_async = None
-            e[6] = _now()
-            e[7] = "completed"
-
-        return run
+                stash = REAPER.add(ev, plan.keep)
+        return Work(self, rt, lane, ev, seq, name, plan.outputs, stash)
 
     def _complete_future_when_done(self, work: Work) -> None:
         rt = self._rt
@@ -465,7 +542,7 @@ class Communicator:
             rt.on_complete(work._event, work._set_future)
         else:
             # GPU: poll on a helper thread (the future completes when the GPU work has).
-            def _poll(w=work):
+            def _poll(w: Work = work) -> None:
                 rt.synchronize(w._event, None)
                 w._set_future()
             threading.Thread(target=_poll, daemon=True, name="streamcoll-future").start()
@@ -480,516 +557,34 @@ class Communicator:
         return lane.stream
 
     @contextlib.contextmanager
-    def coalescing(self, async_op: bool = False):
+    def coalescing(self, async_op: bool = False) -> Iterator["_Coalesced"]:
         """Batch the collectives issued in the block into one group launch
-        (GroupStart/GroupEnd) with one Work. Yields a handle whose ``work`` is
-        the Work (``async_op=True``) once the block exits, and whose
-        ``wait()`` waits for it."""
+        (GroupStart/GroupEnd) with one Work and one sequence number. Yields a
+        handle whose ``work`` is the Work (``async_op=True``) once the block
+        exits, and whose ``wait()`` waits for it."""
         if self._coalescing is not None:
             raise RuntimeError("coalescing() blocks do not nest")
         handle = _Coalesced()
         self._coalescing = ops = []
         self._coalescing_thread = threading.get_ident()
+        self._refresh_fast_paths()
         try:
             yield handle
         finally:
             self._coalescing = None
             self._coalescing_thread = None
+            self._refresh_fast_paths()
         if ops:
-            handle.work = self._launch_group("coalesced", ops, async_op)
-
-    def _launch_group(self, name, ops, async_op):
-        gs, ge = self._c["group_start"], self._c["group_end"]
-        fns = [o[1] for o in ops]
-        posts = [o[2] for o in ops if o[2] is not None]
-
-        def fn(h):
-            rc = gs()
-            if rc:
-                raise self._err("group_start", rc)
-            try:
-                for f in fns:
-                    f(h)
-            finally:
-                rc = ge()
-            if rc:
-                raise self._err("group_end", rc)
-
-        post = (lambda: [p() for p in posts]) if posts else None
-        tensors = tuple(t for o in ops for t in o[3])
-        outputs = tuple(t for o in ops for t in o[4])
-        self._seq -= 1  # the group counts once
-        return self._launch(name, fn, post, tensors, outputs, async_op, None)
-
-    # ------------------------------------------------------------ collectives
-    def all_reduce(self, tensor, op=_SUM, async_op: bool = False, *, stream=None) -> Optional[Work]:
-        """Reduce ``tensor`` across ranks in place (torch.distributed.all_reduce)."""
-        if type(tensor) is _Tensor and not self._gpu and tensor.is_cpu and tensor.is_contiguous():
-            t = tensor
-        else:
-            t = self._t(tensor, "tensor")
-        dtype = t.dtype
-        d = self._dtypes.get(dtype)
-        if d is None:
-            d = self._dt(t, "all_reduce")
-        if op is _SUM:  # skips hashing the key (Enum.__hash__ is Python code)
-            spec = self._sum_specs.get(dtype)
-            if spec is None:
-                spec = self._sum_specs[dtype] = self._op(op, dtype, "all_reduce")
-        else:
-            spec = self._op_cache.get((op, dtype)) if op.__hash__ is not None else None
-            if spec is None:
-                spec = self._op(op, dtype, "all_reduce")
-        red = spec[0]
-        n = t.numel()
-        f = self._c["all_reduce"]
-        comm = self._handle
-        a = t.data_ptr()
-        ptr = self._ptrs.get(a)
-        if ptr is None:
-            ptr = self._vp(t)
-        if spec[1] is None:
-            post = None
-            rt = self._rt
-            if (not async_op and stream is None and self._cpu and comm is not None
-                    and self._failed is None and self._coalescing is None):
-                # The hot path, inlined: what _launch + CpuRuntime.run_current
-                # do for a synchronous host call, without the closure and two
-                # frames (about 1.5 us of a ~10 us call). Same flight record,
-                # same lock, same ordering rule (queued async work first).
-                lock = rt.exec_lock
-                lock.acquire()
-                if not rt._pending:
-                    seq = self._seq = self._seq + 1
-                    self._ring[seq & self._ring_mask] = (seq, "all_reduce", self._p2p)
-                    self._cur = (t,)
-                    try:
-                        rc = f(ptr, ptr, n, d, red, comm, rt._null)
-                    finally:
-                        lock.release()
-                        self._done = seq
-                        self._cur = None
-                    if rc:
-                        exc = self._err("all_reduce", rc)
-                        self._flight.failed(seq, exc)
-                        raise exc
-                    return None
-                lock.release()
-        else:
-            post = self._post(spec[1], spec[2], t)
-
-        def fn(h):
-            rc = f(ptr, ptr, n, d, red, comm, h)
-            if rc:
-                raise self._err("all_reduce", rc)
-
-        return self._launch("all_reduce", fn, post, (t,), (t,), async_op, stream)
-
-    allreduce = all_reduce
-
-    def broadcast(self, tensor, src: int = 0, async_op: bool = False, *, stream=None) -> Optional[Work]:
-        """Copy ``tensor`` of rank ``src`` to every rank (in place)."""
-        t = self._t(tensor, "tensor")
-        src = check_rank(src, "src", self._size)
-        d = self._dt(t, "broadcast")
-        n, comm, ptr, f = t.numel(), self._handle, self._vp(t), self._c["broadcast"]
-
-        def fn(h):
-            rc = f(ptr, ptr, n, d, src, comm, h)
-            if rc:
-                raise self._err("broadcast", rc)
-
-        return self._launch("broadcast", fn, None, (t,), (t,), async_op, stream)
-
-    def reduce(self, tensor, dst: int = 0, op=_SUM, async_op: bool = False, *, stream=None) -> Optional[Work]:
-        """Reduce ``tensor`` onto rank ``dst`` (in place there; other ranks' tensors are unchanged)."""
-        t = self._t(tensor, "tensor")
-        dst = check_rank(dst, "dst", self._size)
-        d = self._dt(t, "reduce")
-        red, kind, factor = self._op(op, t.dtype, "reduce")
-        post = self._post(kind, factor, t, self._rank == dst)
-        n, comm, ptr, f = t.numel(), self._handle, self._vp(t), self._c["reduce"]
-        # oneCCL writes the receive buffer on every rank; non-roots get a scratch one.
-        if self._rank != dst and self._backend.name == "oneccl":
-            scratch = torch.empty_like(t)
-            rptr = self._vp(scratch)
-        else:
-            scratch, rptr = None, ptr
-
-        def fn(h):
-            rc = f(ptr, rptr, n, d, red, dst, comm, h)
-            if rc:
-                raise self._err("reduce", rc)
-
-        keep = (t,) if scratch is None else (t, scratch)
-        return self._launch("reduce", fn, post, keep, (t,), async_op, stream)
-
-    def all_gather_into_tensor(self, output_tensor, input_tensor, async_op: bool = False, *, stream=None) -> Optional[Work]:
-        """Gather every rank's ``input_tensor`` into ``output_tensor`` (rank order, dim 0)."""
-        out = self._t(output_tensor, "output_tensor")
-        inp = self._t(input_tensor, "input_tensor")
-        check_same(inp, out, "input_tensor", "output_tensor")
-        d = self._dt(inp, "all_gather_into_tensor", "input_tensor")
-        n = inp.numel()
-        if out.numel() != n * self._size:
-            raise ValueError(
-                f"output_tensor: expected {n * self._size} elements (world size {self._size} x "
-                f"input_tensor's {n}), got {out.numel()}"
-            )
-        comm, ip, op_, f = self._handle, self._vp(inp), self._vp(out), self._c["all_gather"]
-
-        def fn(h):
-            rc = f(ip, op_, n, d, comm, h)
-            if rc:
-                raise self._err("all_gather", rc)
-
-        return self._launch("all_gather_into_tensor", fn, None, (inp, out), (out,), async_op, stream)
-
-    _all_gather_base = all_gather_into_tensor
-
-    def all_gather(self, tensor_list, tensor, async_op: bool = False, *, stream=None) -> Optional[Work]:
-        """Gather every rank's ``tensor`` into ``tensor_list[rank]``."""
-        inp = self._t(tensor, "tensor")
-        lst = check_list(tensor_list, "tensor_list", self._size)
-        outs = [self._t(o, f"tensor_list[{i}]") for i, o in enumerate(lst)]
-        for i, o in enumerate(outs):
-            check_same(inp, o, "tensor", f"tensor_list[{i}]")
-            if o.numel() != inp.numel():
-                raise ValueError(f"tensor_list[{i}]: expected {inp.numel()} elements like tensor, got {o.numel()}")
-        flat = torch.empty((self._size * inp.numel(),), dtype=inp.dtype, device=inp.device)
-        d = self._dt(inp, "all_gather")
-        n, comm, ip, fp, f = inp.numel(), self._handle, self._vp(inp), self._vp(flat), self._c["all_gather"]
-
-        def fn(h):
-            rc = f(ip, fp, n, d, comm, h)
-            if rc:
-                raise self._err("all_gather", rc)
-
-        def post():
-            for i, o in enumerate(outs):
-                o.view(-1).copy_(flat[i * n:(i + 1) * n])
-
-        return self._launch("all_gather", fn, post, (inp, flat, *outs), tuple(outs), async_op, stream)
-
-    def reduce_scatter_tensor(self, output, input, op=_SUM, async_op: bool = False, *, stream=None) -> Optional[Work]:
-        """Reduce ``input`` across ranks and leave block ``rank`` of the result in ``output``."""
-        out = self._t(output, "output")
-        inp = self._t(input, "input")
-        check_same(inp, out, "input", "output")
-        n = out.numel()
-        if inp.numel() != n * self._size:
-            raise ValueError(
-                f"input: expected {n * self._size} elements (world size {self._size} x output's {n}), got {inp.numel()}"
-            )
-        d = self._dt(inp, "reduce_scatter_tensor", "input")
-        red, kind, factor = self._op(op, inp.dtype, "reduce_scatter_tensor")
-        post = self._post(kind, factor, out)
-        comm, ip, op_, f = self._handle, self._vp(inp), self._vp(out), self._c["reduce_scatter"]
-
-        def fn(h):
-            rc = f(ip, op_, n, d, red, comm, h)
-            if rc:
-                raise self._err("reduce_scatter", rc)
-
-        return self._launch("reduce_scatter_tensor", fn, post, (inp, out), (out,), async_op, stream)
-
-    _reduce_scatter_base = reduce_scatter_tensor
-
-    def reduce_scatter(self, output, input_list, op=_SUM, async_op: bool = False, *, stream=None) -> Optional[Work]:
-        """Reduce the lists across ranks; ``output`` gets the reduction of everyone's ``input_list[rank]``."""
-        out = self._t(output, "output")
-        lst = check_list(input_list, "input_list", self._size)
-        ins = [self._t(x, f"input_list[{i}]") for i, x in enumerate(lst)]
-        for i, x in enumerate(ins):
-            check_same(out, x, "output", f"input_list[{i}]")
-            if x.numel() != out.numel():
-                raise ValueError(f"input_list[{i}]: expected {out.numel()} elements like output, got {x.numel()}")
-        self._dt(out, "reduce_scatter", "output")
-        self._op(op, out.dtype, "reduce_scatter")
-        flat = torch.cat([x.reshape(-1) for x in ins]) if ins else out.new_empty(0)
-        return self.reduce_scatter_tensor(out, flat, op, async_op, stream=stream)
-
-    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
-                          async_op: bool = False, *, stream=None) -> Optional[Work]:
-        """All-to-all on dim 0 blocks, even (no split sizes) or uneven."""
-        out = self._t(output, "output")
-        inp = self._t(input, "input")
-        check_same(inp, out, "input", "output")
-        d = self._dt(inp, "all_to_all_single", "input")
-        size = self._size
-        if output_split_sizes is None and input_split_sizes is None:
-            if inp.numel() % size:
-                raise ValueError(f"input: expected a number of elements divisible by world size {size}, got {inp.numel()}")
-            if out.numel() != inp.numel():
-                raise ValueError(f"output: expected {inp.numel()} elements like input, got {out.numel()}")
-            n = inp.numel() // size
-            f = self._c.get("all_to_all")
-            if f is not None:
-                comm, ip, op_ = self._handle, self._vp(inp), self._vp(out)
-
-                def fn(h):
-                    rc = f(ip, op_, n, d, comm, h)
-                    if rc:
-                        raise self._err("all_to_all", rc)
-
-                return self._launch("all_to_all_single", fn, None, (inp, out), (out,), async_op, stream)
-            send = [n] * size
-            recv = [n] * size
-        else:
-            row_in = inp[0].numel() if inp.dim() > 0 and inp.shape[0] else (inp.numel() // max(inp.shape[0], 1) if inp.dim() else 1)
-            row_out = out[0].numel() if out.dim() > 0 and out.shape[0] else (out.numel() // max(out.shape[0], 1) if out.dim() else 1)
-            send = self._splits(input_split_sizes, inp, "input_split_sizes", row_in)
-            recv = self._splits(output_split_sizes, out, "output_split_sizes", row_out)
-        return self._alltoallv(inp, out, send, recv, async_op, stream)
-
-    def _splits(self, splits, t, name, row) -> List[int]:
-        size = self._size
-        if splits is None:
-            if t.dim() == 0 or t.shape[0] % size:
-                raise ValueError(f"{name}: not given, so dim 0 of the tensor ({tuple(t.shape)}) must divide by world size {size}")
-            return [t.numel() // size] * size
-        if len(splits) != size:
-            raise ValueError(f"{name}: expected {size} split sizes (one per rank), got {len(splits)}")
-        if any((isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0) for s in splits):
-            raise ValueError(f"{name}: expected non-negative ints, got {list(splits)}")
-        if sum(splits) != (t.shape[0] if t.dim() else 0):
-            raise ValueError(f"{name}: split sizes sum to {sum(splits)} but dim 0 of the tensor is {t.shape[0] if t.dim() else 0}")
-        return [int(s) * row for s in splits]
-
-    def _alltoallv(self, inp, out, send: List[int], recv: List[int], async_op, stream):
-        d = self._dt(inp)
-        comm = self._handle
-        f = self._c.get("all_to_all_v")
-        if f is not None:
-            ffi = self._ffi
-            sc = ffi.new("size_t[]", send)
-            rc_ = ffi.new("size_t[]", recv)
-            ip, op_ = self._vp(inp), self._vp(out)
-
-            def fn(h):
-                rc = f(ip, sc, op_, rc_, d, comm, h)
-                if rc:
-                    raise self._err("all_to_all_v", rc)
-        else:
-            fn = self._sendrecv_fn(inp, out, send, recv, d)
-        return self._launch("all_to_all_single", fn, None, (inp, out), (out,), async_op, stream)
-
-    def _sendrecv_fn(self, inp, out, send, recv, d):
-        """All-to-all(v) as grouped Send/Recv (NCCL has no AlltoAllV)."""
-        esz = inp.element_size()
-        so = np.concatenate(([0], np.cumsum(send)[:-1])).tolist()
-        ro = np.concatenate(([0], np.cumsum(recv)[:-1])).tolist()
-        ib, ob = inp.data_ptr(), out.data_ptr()
-        cast = self._ffi.cast
-        sends = [(cast("void *", ib + so[p] * esz), send[p], p, d) for p in range(self._size) if send[p]]
-        recvs = [(cast("void *", ob + ro[p] * esz), recv[p], p, d) for p in range(self._size) if recv[p]]
-        return self._p2p_group(sends, recvs)
-
-    def _p2p_group(self, sends, recvs):
-        """One group launch of Send/Recv; entries are ``(ptr, count, peer, dtype)``."""
-        fs, fr, gs, ge = self._c["send"], self._c["recv"], self._c["group_start"], self._c["group_end"]
-        comm = self._handle
-
-        def fn(h):
-            rc = gs()
-            if rc:
-                raise self._err("group_start", rc)
-            err = None
-            for p, c, peer, d in sends:
-                rc = fs(p, c, d, peer, comm, h)
-                if rc and err is None:
-                    err = ("send", rc)
-            for p, c, peer, d in recvs:
-                rc = fr(p, c, d, peer, comm, h)
-                if rc and err is None:
-                    err = ("recv", rc)
-            rc = ge()
-            if err is not None:
-                raise self._err(*err)
-            if rc:
-                raise self._err("group_end", rc)
-
-        return fn
-
-    def all_to_all(self, output_tensor_list, input_tensor_list, async_op: bool = False, *, stream=None) -> Optional[Work]:
-        """Send ``input_tensor_list[j]`` to rank j; receive rank j's into ``output_tensor_list[j]``."""
-        outs = [self._t(o, f"output_tensor_list[{i}]") for i, o in
-                enumerate(check_list(output_tensor_list, "output_tensor_list", self._size))]
-        ins = [self._t(x, f"input_tensor_list[{i}]") for i, x in
-               enumerate(check_list(input_tensor_list, "input_tensor_list", self._size))]
-        for i in range(self._size):
-            check_same(ins[0], ins[i], "input_tensor_list[0]", f"input_tensor_list[{i}]")
-            check_same(ins[0], outs[i], "input_tensor_list[0]", f"output_tensor_list[{i}]")
-        d = self._dt(ins[0], "all_to_all", "input_tensor_list")
-        me = self._rank
-        if outs[me].numel() != ins[me].numel():
-            raise ValueError(f"output_tensor_list[{me}]: expected {ins[me].numel()} elements "
-                             f"(input_tensor_list[{me}] is sent to this rank itself), got {outs[me].numel()}")
-        vp = self._vp
-        sends = [(vp(ins[p]), ins[p].numel(), p, d) for p in range(self._size) if p != me and ins[p].numel()]
-        recvs = [(vp(outs[p]), outs[p].numel(), p, d) for p in range(self._size) if p != me and outs[p].numel()]
-        fn = self._p2p_group(sends, recvs)
-        src, dstt = ins[me], outs[me]
-        post = lambda: dstt.copy_(src.view(dstt.shape) if src.shape != dstt.shape else src)  # noqa: E731
-        return self._launch("all_to_all", fn, post, (*ins, *outs), tuple(outs), async_op, stream)
-
-    def gather(self, tensor, gather_list=None, dst: int = 0, async_op: bool = False, *, stream=None) -> Optional[Work]:
-        """Gather ``tensor`` of every rank into ``gather_list`` on rank ``dst``."""
-        t = self._t(tensor, "tensor")
-        dst = check_rank(dst, "dst", self._size)
-        d = self._dt(t, "gather")
-        me = self._rank
-        if me == dst:
-            lst = check_list(gather_list, "gather_list", self._size)
-            outs = [self._t(o, f"gather_list[{i}]") for i, o in enumerate(lst)]
-            for i, o in enumerate(outs):
-                check_same(t, o, "tensor", f"gather_list[{i}]")
-                if o.numel() != t.numel():
-                    raise ValueError(f"gather_list[{i}]: expected {t.numel()} elements like tensor, got {o.numel()}")
-        else:
-            if gather_list:
-                raise ValueError(f"gather_list: expected None or [] on non-destination rank {me} (dst is {dst})")
-            outs = []
-        n = t.numel()
-        f = self._c.get("gather")
-        if f is not None:  # NCCL >= 2.28: one native call into a flat buffer on the root
-            flat = torch.empty(n * self._size, dtype=t.dtype, device=t.device) if me == dst else t
-            comm, ip, fp = self._handle, self._vp(t), self._vp(flat)
-
-            def fn(h):
-                rc = f(ip, fp, n, d, dst, comm, h)
-                if rc:
-                    raise self._err("gather", rc)
-
-            def post():
-                for i, o in enumerate(outs):
-                    o.view(-1).copy_(flat[i * n:(i + 1) * n])
-
-            return self._launch("gather", fn, post if me == dst else None, (t, flat, *outs), tuple(outs),
-                                async_op, stream)
-        # oneCCL has no Gather: Send/Recv in one group (a oneCCL log line
-        # "not completed event is destroyed" may appear; results are complete).
-        vp = self._vp
-        sends = [] if me == dst or not n else [(vp(t), n, dst, d)]
-        recvs = [(vp(o), n, p, d) for p, o in enumerate(outs) if p != me and n]
-        fn = self._p2p_group(sends, recvs)
-        post = (lambda: outs[me].view(-1).copy_(t.view(-1))) if me == dst else None
-        return self._launch("gather", fn, post, (t, *outs), tuple(outs), async_op, stream)
-
-    def scatter(self, tensor, scatter_list=None, src: int = 0, async_op: bool = False, *, stream=None) -> Optional[Work]:
-        """Scatter ``scatter_list`` of rank ``src``: rank i receives element i into ``tensor``."""
-        t = self._t(tensor, "tensor")
-        src = check_rank(src, "src", self._size)
-        d = self._dt(t, "scatter")
-        me = self._rank
-        n = t.numel()
-        if me == src:
-            lst = check_list(scatter_list, "scatter_list", self._size)
-            ins = [self._t(x, f"scatter_list[{i}]") for i, x in enumerate(lst)]
-            for i, x in enumerate(ins):
-                check_same(t, x, "tensor", f"scatter_list[{i}]")
-                if x.numel() != n:
-                    raise ValueError(f"scatter_list[{i}]: expected {n} elements like tensor, got {x.numel()}")
-        else:
-            if scatter_list:
-                raise ValueError(f"scatter_list: expected None or [] on non-source rank {me} (src is {src})")
-            ins = []
-        f = self._c.get("scatter")
-        if f is not None:  # oneCCL, NCCL >= 2.28: one native call from a flat buffer on the root
-            flat = torch.cat([x.reshape(-1) for x in ins]) if me == src else t
-            comm, fp, tp = self._handle, self._vp(flat), self._vp(t)
-
-            def fn(h):
-                rc = f(fp, tp, n, d, src, comm, h)
-                if rc:
-                    raise self._err("scatter", rc)
-
-            return self._launch("scatter", fn, None, (t, flat), (t,), async_op, stream)
-        vp = self._vp
-        sends = [(vp(x), n, p, d) for p, x in enumerate(ins) if p != me and n]
-        recvs = [] if me == src or not n else [(vp(t), n, src, d)]
-        fn = self._p2p_group(sends, recvs)
-        post = (lambda: t.view(-1).copy_(ins[me].view(-1))) if me == src else None
-        return self._launch("scatter", fn, post, (t, *ins), (t,), async_op, stream)
-
-    # ------------------------------------------------------------ point to point
-    def _p2p_args(self, kind: str, tensor, peer, name: str):
-        t = self._t(tensor, "tensor")
-        peer = check_rank(peer, name, self._size)
-        if peer == self._rank:
-            raise ValueError(f"{name}: expected a rank other than this one ({self._rank})")
-        d = self._dt(t, kind)
-        return t, peer, d
-
-    def _p2p_fn(self, kind: str, t, peer: int, d):
-        f, comm, p, n = self._c[kind], self._handle, self._vp(t), t.numel()
-        self._p2p += 1  # flight record: collectives are aligned across ranks without p2p ops
-
-        def fn(h):
-            rc = f(p, n, d, peer, comm, h)
-            if rc:
-                raise self._err(kind, rc)
-
-        return fn
-
-    def send(self, tensor, dst: int, tag: int = 0, *, stream=None) -> None:
-        """Send ``tensor`` to rank ``dst``; returns when it may be reused."""
-        t, peer, d = self._p2p_args("send", tensor, dst, "dst")
-        self._launch("send", self._p2p_fn("send", t, peer, d), None, (t,), (t,), False, stream)
-
-    def recv(self, tensor, src: int, tag: int = 0, *, stream=None) -> int:
-        """Receive into ``tensor`` from rank ``src``; returns ``src`` (as torch does)."""
-        if src is None:
-            raise ValueError("src: receiving from any source is not supported; pass the sender's rank")
-        t, peer, d = self._p2p_args("recv", tensor, src, "src")
-        self._launch("recv", self._p2p_fn("recv", t, peer, d), None, (t,), (t,), False, stream)
-        return peer
-
-    def isend(self, tensor, dst: int, tag: int = 0, *, stream=None) -> Work:
-        t, peer, d = self._p2p_args("send", tensor, dst, "dst")
-        return self._launch("isend", self._p2p_fn("send", t, peer, d), None, (t,), (t,), True, stream)
-
-    def irecv(self, tensor, src: int, tag: int = 0, *, stream=None) -> Work:
-        if src is None:
-            raise ValueError("src: receiving from any source is not supported; pass the sender's rank")
-        t, peer, d = self._p2p_args("recv", tensor, src, "src")
-        return self._launch("irecv", self._p2p_fn("recv", t, peer, d), None, (t,), (t,), True, stream)
-
-    def batch_isend_irecv(self, p2p_op_list: Sequence[Any]) -> List[Work]:
-        """Issue the P2POps as one group launch; returns a one-Work list (as torch's coalesced path)."""
-        if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
-            raise ValueError("p2p_op_list: expected a non-empty list of P2POp")
-        sends, recvs, keep = [], [], []
-        for i, p in enumerate(p2p_op_list):
-            opname = getattr(getattr(p, "op", None), "__name__", "")
-            if opname in ("isend", "send"):
-                kind, name = "send", "peer"
-            elif opname in ("irecv", "recv"):
-                kind, name = "recv", "peer"
-            else:
-                raise ValueError(f"p2p_op_list[{i}].op: expected isend or irecv, got {getattr(p, 'op', None)!r}")
-            grp = getattr(p, "group", None)
-            if grp is not None and grp is not self:
-                raise ValueError(f"p2p_op_list[{i}].group: expected this communicator or None")
-            t, peer, d = self._p2p_args(kind, p.tensor, p.peer, f"p2p_op_list[{i}].{name}")
-            (sends if kind == "send" else recvs).append((self._vp(t), t.numel(), peer, d))
-            keep.append(t)
-        fn = self._p2p_group(sends, recvs)
-        self._p2p += 1
-        return [self._launch("batch_isend_irecv", fn, None, tuple(keep), tuple(keep), True, None)]
-
-    def barrier(self, async_op: bool = False, device_ids=None) -> Optional[Work]:
-        """Wait until every rank reached the barrier (a one-element all_reduce)."""
-        buf = self._barrier_buf
-        if buf is None:
-            buf = self._barrier_buf = torch.zeros(1, dtype=torch.int32, device=self._device)
-        w = self.all_reduce(buf, _SUM, async_op)
-        if not async_op and self._gpu:
-            torch.cuda.current_stream(self._device).synchronize() if self._dev_type == "cuda" else None
-        return w
+            plans = [p for _, p in ops]
+            posts = [p.post for p in plans if p.post is not None]
+            calls = [(p.fn, p.args, p.cname) for p in plans]
+            plan = Plan(self._cx.group(calls), (), (lambda: [p() for p in posts]) if posts else None,
+                        tuple(t for p in plans for t in p.keep), tuple(t for p in plans for t in p.outputs),
+                        "group_end", any(p.p2p for p in plans))
+            handle.work = self._launch("coalesced", plan, async_op, None)
 
     # ------------------------------------------------------------ split
-    def split(self, color: Optional[int], key: int = 0, timeout=None) -> Optional["Communicator"]:
+    def split(self, color: Optional[int], key: int = 0, timeout: Any = None) -> Optional["Communicator"]:
         """A communicator of the ranks passing the same ``color``, ordered by
         ``(key, rank)`` (the library's CommSplit). Every rank must call it; a
         rank passing ``color=None`` (or a negative color) gets None.
@@ -1004,12 +599,14 @@ class Communicator:
             raise TypeError(f"color: expected an int or None, got {color!r}")
         if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
             raise TypeError(f"key: expected an int, got {key!r}")
+        if self._pre_hooks:
+            self._pre(_SPLIT, (color, key), False)
         c = int(c) if c >= 0 else -1
         mine = torch.tensor([c, int(key)], dtype=torch.int64, device=self._device)
         allv = torch.empty(2 * self._size, dtype=torch.int64, device=self._device)
-        self.all_gather_into_tensor(allv, mine)
+        ag = _spec.TABLE["all_gather_into_tensor"]
+        self._launch("split", ag.planner(self._cx, allv, mine), False, None)
         pairs = allv.view(self._size, 2).cpu().tolist()
-        self._seq += 1
         # Every rank now knows every (color, key): the new ranks are computed
         # here, and the library is given each rank's new index as its key
         # (same order; oneCCL rejects negative keys, torch/NCCL allow them).
@@ -1036,6 +633,12 @@ class Communicator:
         )
 
 
+# split is checked by debug mode like a collective (every rank calls it).
+_SPLIT = _spec.CollectiveSpec(name="split", params=(_spec.ParamSpec("color", _spec.ANY),
+                                                   _spec.ParamSpec("key", _spec.ANY, 0)),
+                              doc="", planner=lambda cx: None)  # type: ignore[arg-type,return-value]
+
+
 class _Coalesced:
     """What ``Communicator.coalescing()`` yields: ``work`` after the block."""
 
@@ -1044,5 +647,53 @@ class _Coalesced:
     def __init__(self) -> None:
         self.work: Optional[Work] = None
 
-    def wait(self, timeout=None) -> bool:
+    def wait(self, timeout: Optional[float] = None) -> bool:
         return True if self.work is None else self.work.wait(timeout)
+
+
+# ------------------------------------------------------ generated methods
+def _method_source(s: _spec.CollectiveSpec) -> str:
+    sig = _spec.signature_text(s, self_=True)
+    args = ", ".join(s.param_names)
+    tup = f"({args},)" if s.params else "()"
+    a = {"param": "async_op", "never": "False", "always": "True"}[s.async_mode]
+    stream = "None" if s.returns == "work_list" or s.name == "barrier" else "stream"
+    launch = f"self._launch({s.name!r}, _planner(self._cx{', ' if args else ''}{args}), {a}, {stream})"
+    lines = [f"def {s.name}({sig}):",
+             "    if self._pre_hooks:",
+             f"        self._pre(_S, {tup}, {a})"]
+    if s.returns == "src":
+        peer = s.params[1].name
+        lines += [f"    {launch}", f"    return int({peer})"]
+    elif s.returns == "none":
+        lines += [f"    {launch}", "    return None"]
+    elif s.returns == "work_list":
+        lines += [f"    return [{launch}]"]
+    elif s.name == "barrier":
+        lines += [f"    w = {launch}",
+                  "    if not async_op and self._gpu and self._dev_type == 'cuda':",
+                  "        torch.cuda.current_stream(self._device).synchronize()",
+                  "    return w"]
+    else:
+        lines += [f"    return {launch}"]
+    return "\n".join(lines) + "\n"
+
+
+def _install_methods() -> None:
+    import linecache
+    for name, s in _spec.TABLE.items():
+        src = _method_source(s)
+        filename = f"<streamcoll generated Communicator.{name}>"
+        linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+        ns: Dict[str, Any] = {"_S": s, "_planner": s.planner, "_SUM": _SUM, "_ReduceOp": ReduceOp, "torch": torch}
+        exec(compile(src, filename, "exec"), ns)
+        fn = ns[name]
+        fn.__doc__ = s.doc
+        fn.__qualname__ = f"Communicator.{name}"
+        fn.__module__ = __name__
+        setattr(Communicator, name, fn)
+        for a in s.aliases:
+            setattr(Communicator, a, fn)
+
+
+_install_methods()

@@ -6,7 +6,7 @@ saying which ranks differ and how, before any C call.
 Off by default (it costs a store round trip per collective). Turn it on with
 ``STREAMCOLL_DEBUG_CHECKS=1`` (every communicator created afterwards) or
 :func:`enable` (a collective call: every rank of the communicator at the same
-point). It wraps the communicator's collective methods on the instance, so
+point). It is a pre-launch hook (``Communicator.register_pre_hook``), so
 the launch path is untouched when it is off.
 
 What is compared, per collective: the op; the shape and dtype of every
@@ -31,39 +31,31 @@ read it).
 """
 from __future__ import annotations
 
-import inspect
 import json
 import os
-import threading
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
 
+from . import spec
 from .errors import CollectiveTimeout, MismatchError
 
 __all__ = ["enable", "disable", "is_enabled", "maybe_install", "CHECKED"]
 
-# method -> (arguments compared exactly, arguments compared by dtype only, count cross-check)
-_ARGS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...], Optional[str]]] = {
-    "all_reduce": (("tensor", "op"), (), None),
-    "broadcast": (("tensor", "src"), (), None),
-    "reduce": (("tensor", "dst", "op"), (), None),
-    "all_gather_into_tensor": (("output_tensor", "input_tensor"), (), None),
-    "all_gather": (("tensor_list", "tensor"), (), None),
-    "reduce_scatter_tensor": (("output", "input", "op"), (), None),
-    "reduce_scatter": (("output", "input_list", "op"), (), None),
-    "all_to_all_single": ((), ("output", "input"), "single"),
-    "all_to_all": ((), ("output_tensor_list", "input_tensor_list"), "lists"),
-    "gather": (("tensor", "dst"), (), None),
-    "scatter": (("tensor", "src"), (), None),
-    "barrier": ((), (), None),
-    "split": ((), (), None),
-}
-_ALIASES = {"allreduce": "all_reduce", "_all_gather_base": "all_gather_into_tensor",
-            "_reduce_scatter_base": "reduce_scatter_tensor"}
-CHECKED = tuple(_ARGS) + tuple(_ALIASES)
+def _derive() -> Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...], Optional[str]]]:
+    """collective -> (arguments compared exactly, by dtype only, count
+    cross-check), from the declarations (``ParamSpec.compare``)."""
+    out: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...], Optional[str]]] = {}
+    for name, s in spec.TABLE.items():
+        if s.p2p:
+            continue  # peers call different functions by design
+        out[name] = (tuple(p.name for p in s.params if p.compare == "exact"),
+                     tuple(p.name for p in s.params if p.compare == "dtype"), s.cross_check)
+    out["split"] = ((), (), None)
+    return out
 
-_tls = threading.local()
 
+_ARGS = _derive()
+CHECKED = tuple(_ARGS)
 
 def _env_on() -> bool:
     return os.environ.get("STREAMCOLL_DEBUG_CHECKS", "0").strip().lower() not in ("", "0", "false", "no", "off")
@@ -128,22 +120,15 @@ def _counts(kind: str, b: Dict[str, Any], size: int) -> Optional[Tuple[List[int]
         return None
 
 
-def _fingerprint(comm: Any, name: str, sig: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+def _fingerprint(comm: Any, name: str, a: Dict[str, Any]) -> dict:
     exact, loose, cross = _ARGS[name]
     fp: Dict[str, Any] = {"call": name}
-    try:
-        b = sig.bind(*args, **kwargs)
-    except TypeError as e:
-        fp["error"] = f"bad arguments: {e}"
-        return fp
-    b.apply_defaults()
-    a = b.arguments
     for k in exact:
         fp[k] = _value(k, a.get(k), True)
     for k in loose:
         fp[k] = _value(k, a.get(k), False)
     if cross:
-        fp["_counts"] = _counts(cross, a, comm._size)
+        fp["_counts"] = _counts(cross, a, comm.size)
     return fp
 
 
@@ -209,7 +194,7 @@ class _Checker:
         # (two splits of one color, a re-init) must not read each other's keys.
         self.ns = (int(store.add(f"dbg/ns/{comm.name}", 1)) - 1) // comm._size
         self.n = 0
-        self.saved: Dict[str, Any] = {}
+        self.handle: Any = None
 
     def check(self, name: str, fp: dict) -> None:
         comm = self.comm
@@ -247,39 +232,18 @@ class _Checker:
             raise err
 
 
-def _wrap(checker: _Checker, name: str, method: Any):
-    sig = inspect.signature(method)
-    spec = _ALIASES.get(name, name)
-
-    def checked(*args, **kwargs):
-        if getattr(_tls, "depth", 0):
-            return method(*args, **kwargs)  # an inner call of a checked one (barrier -> all_reduce)
-        fp = _fingerprint(checker.comm, spec, sig, args, kwargs)
-        _tls.depth = 1
-        try:
-            checker.check(spec, fp)
-            return method(*args, **kwargs)
-        finally:
-            _tls.depth = 0
-
-    checked.__name__ = name
-    checked.__doc__ = method.__doc__
-    checked.__wrapped__ = method  # type: ignore[attr-defined]
-    return checked
-
-
 def enable(comm: Any) -> None:
-    """Turn the checks on for ``comm`` (collective: every rank, same point)."""
+    """Turn the checks on for ``comm`` (collective: every rank, same point).
+    A pre-launch hook: the communicator's fast paths are off while it is on."""
     if getattr(comm, "_debug", None) is not None:
         return
     ch = _Checker(comm)
-    for name in CHECKED:
-        bound = getattr(type(comm), name, None)
-        if bound is None:
-            continue
-        method = getattr(comm, name)
-        ch.saved[name] = method
-        setattr(comm, name, _wrap(ch, name, method))
+
+    def hook(rec: Any) -> None:
+        if rec.name in _ARGS:
+            ch.check(rec.name, _fingerprint(comm, rec.name, rec.args))
+
+    ch.handle = comm.register_pre_hook(hook)
     comm._debug = ch
 
 
@@ -288,11 +252,7 @@ def disable(comm: Any) -> None:
     ch = getattr(comm, "_debug", None)
     if ch is None:
         return
-    for name in ch.saved:
-        try:
-            delattr(comm, name)
-        except AttributeError:
-            pass
+    ch.handle.remove()
     comm._debug = None
 
 

@@ -6,33 +6,34 @@ disagree or where some rank never arrived::
     python -m streamcoll.flight analyze DIR      # exit status 1 if it found a problem
 
 Why a ring written by index: recording runs on every collective, so it must
-cost a small fraction of a microsecond. ``Communicator._launch`` stores one
-3-tuple per synchronous operation at ``ring[seq & mask]``; nothing else is
-allocated and nothing is locked (a list store is atomic under the GIL).
-Measured on this project's 2-core machine (thread CPU time, 1-rank
-communicator, launch with a no-op C call): a tuple with a clock read and a
-weak reference to the tensor cost 0.35-0.55 us a call; the 3-tuple plus the
-in-flight marker below cost about 0.2 us.
+cost a small fraction of a microsecond. The synchronous launch path
+(:mod:`streamcoll.launch`) reuses the :class:`FlightEntry` already in
+``ring[seq & mask]`` and stores three fields (sequence number, op, p2p
+count); nothing is allocated and nothing is locked beyond the exec lock the
+call holds anyway. Measured on this project's 2-core machine: a new object
+with a clock read and a weak reference per call cost 0.35-0.55 us; the
+field stores about 0.1 us.
 
-Entry layout (indexes below). Common: sequence number, op name, how many
-point-to-point operations preceded it (so collectives are aligned across
-ranks that took part in different sends/receives).
+Entries (:class:`FlightEntry`, named fields). Common: sequence number, op
+name, how many point-to-point operations preceded it (so collectives are
+aligned across ranks that took part in different sends/receives).
 
-- Synchronous operations (current stream; on the CPU inline in the C call)
-  are just that 3-tuple. Their state is derived: ``comm._done`` holds the
-  sequence number of the last synchronous call that returned, so a later one
-  is running; failures go to :attr:`FlightRecorder.errors`. While a call runs,
-  ``comm._cur`` holds its tensors (cleared when it returns), which gives the
-  shapes of a stuck call; the watchdog stamps when it first saw it running.
-  Completed synchronous calls keep no shapes and no times (a clock read and a
-  weak reference would double the cost); the analysis compares their ops.
+- Synchronous operations (current stream; on the CPU inline in the C call):
+  their state is derived: :attr:`FlightRecorder.done` holds the sequence
+  number of the last synchronous call that returned, so a later one is
+  running; failures go to :attr:`FlightRecorder.errors`. While a call runs,
+  :attr:`FlightRecorder.cur` holds its tensors (cleared when it returns),
+  which gives the shapes of a stuck call; the watchdog stamps when it first
+  saw it running. Completed synchronous calls keep no shapes and no times (a
+  clock read and a weak reference would double the cost); the analysis
+  compares their ops.
 - Asynchronous operations (comm stream, a Work; tens of microseconds anyway)
-  are a list that goes on with: enqueue time (``time.monotonic_ns``), tensor
-  weak reference(s) (resolved to shapes/dtypes by the watchdog's periodic
-  pass or at dump time; a tensor freed before that has an unknown shape, which
-  the analysis treats as matching anything), start and end times (set by the
-  CPU comm thread; 0 = not yet), state, the completion event of GPU work
-  (what the watchdog polls), and the error text.
+  also have: enqueue time (``time.monotonic_ns``), tensor weak references
+  (resolved to shapes/dtypes by the watchdog's periodic pass or at dump time;
+  a tensor freed before that has an unknown shape, which the analysis treats
+  as matching anything), start and end times (set by the CPU comm thread; 0 =
+  not yet), state, the completion event of GPU work (what the watchdog
+  polls), and the error text.
 
 Settings: ``STREAMCOLL_FLIGHT_SIZE`` (entries per communicator, rounded up to
 a power of two; default 1024; the minimum, 1, keeps only the latest operation,
@@ -47,187 +48,38 @@ import os
 import re
 import socket
 import sys
-import tempfile
 import time
-import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from . import spec
+
 __all__ = [
-    "FlightRecorder", "attach", "dump", "default_dir", "load_dumps", "analyze", "Finding", "main",
-    "SEQ", "OP", "P2P", "T_ENQ", "REFS", "T_START", "T_END", "STATE", "EVENT", "ERROR",
+    "FlightRecorder", "FlightEntry", "attach", "dump", "default_dir", "load_dumps", "analyze", "Finding", "main",
 ]
 
-SEQ, OP, P2P, T_ENQ, REFS, T_START, T_END, STATE, EVENT, ERROR = range(10)
+from .recorder import (  # noqa: F401  (re-exported)
+    COMPLETED, ENQUEUED, FAILED, LAUNCHED, RUNNING, FlightEntry, FlightRecorder, _capacity, attach, default_dir,
+    now_ns, wref,
+)
 
-# States.
-ENQUEUED = "enqueued"    # async, waiting for the comm thread
-RUNNING = "running"      # inside the C call
-LAUNCHED = "launched"    # GPU: enqueued on a stream; completion unknown yet
-COMPLETED = "completed"
-FAILED = "failed"
-
-P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv"})
+P2P_OPS = spec.p2p_ops()
 FORMAT_VERSION = 1
-
-now_ns = time.monotonic_ns
-wref = weakref.ref
-
-
-def _capacity() -> int:
-    v = os.environ.get("STREAMCOLL_FLIGHT_SIZE", "1024")
-    try:
-        n = int(v)
-    except ValueError:
-        raise ValueError(f"STREAMCOLL_FLIGHT_SIZE: expected an integer number of entries, got {v!r}") from None
-    if n < 0:
-        raise ValueError(f"STREAMCOLL_FLIGHT_SIZE: expected >= 0, got {n}")
-    return n
-
-
-def default_dir() -> str:
-    """Where dumps go unless a path is given: ``STREAMCOLL_FLIGHT_DIR`` or
-    ``<tmp>/streamcoll-flight``."""
-    return os.environ.get("STREAMCOLL_FLIGHT_DIR") or os.path.join(tempfile.gettempdir(), "streamcoll-flight")
-
-
-class FlightRecorder:
-    """The ring of one communicator.
-
-    ``ring`` and ``mask`` are what the launch path writes to; everything else
-    here runs off the hot path (watchdog pass, dump).
-    """
-
-    __slots__ = ("ring", "mask", "capacity", "wall0", "mono0", "errors", "desc", "_resolved_upto")
-
-    def __init__(self, capacity: int) -> None:
-        cap = 1
-        while cap < capacity:
-            cap <<= 1
-        self.capacity = cap
-        self.ring: List[Any] = [None] * cap
-        self.mask = cap - 1
-        # Anchor to turn monotonic stamps into wall-clock times in dumps.
-        self.wall0 = time.time()
-        self.mono0 = now_ns()
-        self.errors: Dict[int, str] = {}  # seq -> error of a failed synchronous call
-        self.desc: Dict[int, dict] = {}   # seq -> resolved shapes/dtypes of a synchronous entry
-        self._resolved_upto = 0
-
-    def failed(self, seq: int, exc: BaseException) -> None:
-        """Record that synchronous call ``seq`` raised (the launch path's except branch)."""
-        self.errors[seq] = f"{type(exc).__name__}: {exc}"
-        if len(self.errors) > self.capacity:
-            for k in sorted(self.errors)[: len(self.errors) - self.capacity]:
-                del self.errors[k]
-
-    def entries(self) -> List[Any]:
-        """Recorded entries, oldest first."""
-        return sorted((e for e in self.ring if e is not None), key=lambda e: e[SEQ])
-
-    def recent(self, last_seq: int, n: int) -> Iterable[Any]:
-        """Up to ``n`` entries with sequence numbers <= ``last_seq``, newest first."""
-        ring, mask = self.ring, self.mask
-        for s in range(last_seq, max(last_seq - n, 0), -1):
-            e = ring[s & mask]
-            if e is not None and e[SEQ] == s:
-                yield e
-
-    def describe(self, comm: Any, e: Any) -> dict:
-        """``{"shapes": [...], "dtypes": [...]}`` of an entry (None where unknown)."""
-        if type(e) is tuple:
-            d = self.desc.get(e[SEQ])
-            if d is not None and d.get("_id") == id(e):
-                return d
-            cur = comm._cur
-            if cur is not None and self.state(comm, e) == RUNNING:
-                d = _read(cur)
-                d["_id"] = id(e)
-                self.desc[e[SEQ]] = d
-                return d
-            return {"shapes": None, "dtypes": None}
-        r = e[REFS]
-        if type(r) is dict:
-            return r
-        d = e[REFS] = _read(r)
-        return d
-
-    def resolve(self, comm: Any, last_seq: int) -> None:
-        """Read the shapes of async entries up to ``last_seq`` while their
-        tensors are still alive (the watchdog calls this periodically)."""
-        start = max(self._resolved_upto + 1, last_seq - self.capacity + 1, 1)
-        for s in range(start, last_seq + 1):
-            e = self.ring[s & self.mask]
-            if e is not None and e[SEQ] == s and type(e) is list:
-                self.describe(comm, e)
-        self._resolved_upto = max(self._resolved_upto, last_seq)
-        if len(self.desc) > 2 * self.capacity:
-            lo = last_seq - self.capacity
-            for k in [k for k in self.desc if k <= lo]:
-                del self.desc[k]
-
-    def state(self, comm: Any, e: Any) -> str:
-        """The state of entry ``e`` of ``comm`` now."""
-        if type(e) is tuple:
-            if e[SEQ] in self.errors:
-                return FAILED
-            if e[SEQ] > comm._done:
-                return RUNNING
-            return LAUNCHED if comm._gpu else COMPLETED
-        st = e[STATE]
-        if st == LAUNCHED and e[EVENT] is not None:
-            try:
-                if e[EVENT].query():
-                    return COMPLETED
-            except Exception:
-                pass
-        return st
-
-    def wall(self, mono: int) -> Optional[float]:
-        return None if not mono else self.wall0 + (mono - self.mono0) / 1e9
-
-
-def _read(r: Any) -> dict:
-    """Shapes and dtypes of tensors given as weak references or directly."""
-    items = (r,) if type(r) is wref else (r or ())
-    shapes, dtypes = [], []
-    for x in items:
-        t = x() if type(x) is wref else x
-        try:
-            shapes.append(list(t.shape))
-            dtypes.append(str(t.dtype).replace("torch.", ""))
-        except Exception:  # freed before it was read
-            shapes.append(None)
-            dtypes.append(None)
-    return {"shapes": shapes, "dtypes": dtypes}
-
-
-def attach(comm: Any) -> None:
-    """Give ``comm`` its recorder and the attributes the launch path uses."""
-    fr = FlightRecorder(_capacity())
-    comm._flight = fr
-    comm._ring = fr.ring
-    comm._ring_mask = fr.mask
-    comm._done = 0
-    comm._cur = None
-    comm._running_since = None  # (seq, monotonic ns): the watchdog's first sight of a sync call running
-    comm._p2p = 0
-    comm._inflight_async = None
 
 
 # ----------------------------------------------------------------- dumping
 def _entry_json(comm: Any, fr: FlightRecorder, e: Any, now: int, seen: Optional[int]) -> dict:
     desc = fr.describe(comm, e)
-    sync = type(e) is tuple
+    sync = e.sync
     state = fr.state(comm, e)
     if sync:
         t_enq = t_start = seen if state == RUNNING and seen else 0
         t_end = 0
     else:
-        t_enq, t_start, t_end = e[T_ENQ], e[T_START] or (e[T_ENQ] if state == LAUNCHED else 0), e[T_END]
+        t_enq, t_start, t_end = e.t_enq, e.t_start or (e.t_enq if state == LAUNCHED else 0), e.t_end
     d = {
-        "seq": e[SEQ],
-        "collective_seq": None if e[OP] in P2P_OPS else e[SEQ] - e[P2P],
-        "op": e[OP],
+        "seq": e.seq,
+        "collective_seq": None if e.op in P2P_OPS else e.seq - e.p2p,
+        "op": e.op,
         "shapes": desc["shapes"],
         "dtypes": desc["dtypes"],
         "strategy": "sync" if sync else "async",
@@ -240,7 +92,7 @@ def _entry_json(comm: Any, fr: FlightRecorder, e: Any, now: int, seen: Optional[
     }
     if sync and state == RUNNING:
         d["started_note"] = "first seen running by the watchdog" if seen else "running; start time not recorded"
-    err = fr.errors.get(e[SEQ]) if sync else e[ERROR]
+    err = fr.errors.get(e.seq) if sync else e.error
     if err:
         d["error"] = err
     return d
@@ -276,8 +128,8 @@ def snapshot(comm: Any, reason: str = "") -> dict:
 
 def _seen(comm: Any, e: Any) -> Optional[int]:
     """When the watchdog first saw synchronous entry ``e`` running (monotonic ns)."""
-    s = getattr(comm, "_running_since", None)
-    return s[1] if s is not None and s[0] == e[SEQ] else None
+    s = comm._flight.running_since
+    return s[1] if s is not None and s[0] == e.seq else None
 
 
 def _safe(name: str) -> str:
@@ -382,7 +234,9 @@ def _same(a: dict, b: dict) -> List[str]:
 
 # Ops whose tensor shapes legitimately differ between ranks (roots hold lists,
 # uneven splits): compared by op name only.
-_SHAPE_FREE = frozenset({"gather", "scatter", "all_to_all_single", "all_to_all", "coalesced"})
+# Collectives whose shapes may differ between ranks (a root-only list, per-rank splits), from the table.
+_SHAPE_FREE = frozenset([n for n, c in spec.TABLE.items()
+                         if any(p.root_only or p.compare == "dtype" for p in c.params)] + ["coalesced"])
 
 
 def _ranks(rs: Iterable[int]) -> str:

@@ -371,7 +371,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         comms, self._comms = list(self._comms.values()), {}
         for c in comms:
             if not c.abort():
-                c._failed = c._failed or RuntimeError("process group aborted")
+                c.mark_failed(RuntimeError("process group aborted"))
 
 
 def _opts_from(op: Any) -> Any:

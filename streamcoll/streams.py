@@ -57,6 +57,11 @@ class Runtime:
         self.device = device
         # int handle (or None) -> the cdata the C call takes; cached by the caller.
         self.native = native
+        # Held while a call is issued (sequence number + C launch, or + queueing
+        # on the CPU comm thread): one issuer at a time, so sequence order is
+        # issue order (see streamcoll.launch).
+        self.exec_lock = threading.Lock()
+        self._null = native(None)
 
     # current stream ----------------------------------------------------
     def current_key(self) -> Any:
@@ -74,23 +79,19 @@ class Runtime:
         raise NotImplementedError
 
     # launching ------------------------------------------------------------
-    def run_current(self, fn: Callable[[Any], None], post: Optional[Callable[[], None]]) -> None:
-        """Run ``fn(handle)`` on the caller's current stream, then ``post()``
-        (torch ops finishing the result, e.g. the AVG division) on it too."""
-        fn(self.current_handle())
-        if post is not None:
+    def run_post(self, post: Callable[[], Any], stream: Any) -> None:
+        """Run a plan's post-op (torch ops finishing the result, e.g. the AVG
+        division) on the current stream or on ``stream``."""
+        if stream is None:
             post()
-
-    def run_on(self, stream: Any, fn: Callable[[Any], None], post) -> None:
-        """Run ``fn(handle)`` and ``post()`` on an explicit stream (``stream=``)."""
-        fn(self.native(self.stream_handle(stream)))
-        if post is not None:
+        else:
             with self.mod.stream(stream):
                 post()
 
-    def submit(self, lane: Lane, fn: Callable[[Any], None], post, keep: Any) -> None:
-        """Launch ``fn`` then ``post`` on ``lane``'s comm stream, after the
-        caller's prior work on its current stream."""
+    def submit(self, lane: Lane, runner: Callable[[Any, Any, Any], None], plan: Any, entry: Any) -> Any:
+        """Launch ``runner(plan, entry, handle)`` on ``lane``'s comm stream,
+        after the caller's prior work on its current stream. Called with the
+        exec lock held."""
         raise NotImplementedError
 
     # events ---------------------------------------------------------------
@@ -138,14 +139,14 @@ class Runtime:
 
 # ---------------------------------------------------------------- CPU ----
 class _Item:
-    """One queued call on the CPU comm thread."""
+    """One queued call on the CPU comm thread: ``runner(plan, entry, handle)``."""
 
-    __slots__ = ("fn", "post", "keep", "done", "exc", "callbacks")
+    __slots__ = ("runner", "plan", "entry", "done", "exc", "callbacks")
 
-    def __init__(self, fn, post, keep) -> None:
-        self.fn = fn
-        self.post = post
-        self.keep = keep
+    def __init__(self, runner, plan, entry) -> None:
+        self.runner = runner
+        self.plan = plan
+        self.entry = entry
         self.done = False
         self.exc: Optional[BaseException] = None
         self.callbacks: Optional[list] = None
@@ -164,21 +165,21 @@ class CpuRuntime(Runtime):
     """Host buffers: the current stream is the caller's thread; the comm
     stream is one comm thread per communicator, started on first use.
 
-    ``exec_lock`` is held around every C call, inline or on the comm thread,
-    so two threads never drive the communicator at once; a synchronous call
-    made while async work is queued goes through the queue too, so it cannot
-    overtake that work.
+    ``exec_lock`` is held around every inline C call and around queueing;
+    an inline call runs only while nothing is queued or running on the comm
+    thread (``_pending == 0``, checked under the lock), and queueing needs the
+    lock, so the comm thread never runs beside an inline call and needs no
+    lock of its own. A synchronous call made while async work is queued goes
+    through the queue too, so it cannot overtake that work.
     """
 
     device_type = "cpu"
 
     def __init__(self, device: torch.device, native, name: str = "streamcoll-comm") -> None:
         super().__init__(device, native)
-        self._null = native(None)
         self._name = name
         self._queue: collections.deque = collections.deque()
         self._cond = threading.Condition(threading.Lock())
-        self.exec_lock = threading.Lock()
         self._pending = 0
         self._thread: Optional[threading.Thread] = None
         self._closed = False
@@ -196,31 +197,8 @@ class CpuRuntime(Runtime):
     def new_lane(self, key) -> Lane:
         return Lane(key, self, key, self._null, None)
 
-    def run_current(self, fn, post) -> None:
-        # acquire/release in try/finally: about 0.25 us cheaper per call than
-        # ``with lock:`` here (CPython 3.11), same semantics.
-        lock = self.exec_lock
-        lock.acquire()
-        try:
-            if not self._pending:
-                fn(self._null)
-                if post is not None:
-                    post()
-                return
-        finally:
-            lock.release()
-        # Async work is queued: go behind it, so issue order is kept.
-        item = _Item(fn, post, None)
-        self._enqueue(item)
-        self._wait_item(item, None)
-        if item.exc is not None:
-            raise item.exc
-
-    def run_on(self, stream, fn, post) -> None:
-        self.run_current(fn, post)  # the host has one stream: the thread
-
-    def submit(self, lane: Lane, fn, post, keep) -> _Item:
-        item = _Item(fn, post, keep)
+    def submit(self, lane: Lane, runner, plan, entry) -> _Item:
+        item = _Item(runner, plan, entry)
         self._enqueue(item)
         return item
 
@@ -248,14 +226,11 @@ class CpuRuntime(Runtime):
                 item = q.popleft()
             self.running = item
             try:
-                with self.exec_lock:
-                    item.fn(self._null)
-                    if item.post is not None:
-                        item.post()
+                item.runner(item.plan, item.entry, self._null)
             except BaseException as e:  # delivered to whoever waits on the item
                 item.exc = e
             self.running = None
-            item.keep = None  # host memory is free to reuse once the call returned
+            item.plan = None  # host memory is free to reuse once the call returned
             with cond:
                 item.done = True
                 self._pending -= 1
@@ -353,15 +328,16 @@ class _TorchGpuRuntime(Runtime):
         ready = mod.Event()
         return Lane(key, stream, current, self.native(self.stream_handle(stream)), ready)
 
-    def submit(self, lane: Lane, fn, post, keep) -> None:
+    def submit(self, lane: Lane, runner, plan, entry) -> None:
         # Inputs ready: the comm stream waits for everything queued on the
         # caller's stream so far (record-then-wait, like torch's wait_stream).
         lane.ready.record(lane.current)
         lane.stream.wait_event(lane.ready)
-        fn(lane.handle)
-        if post is not None:
+        if plan.post is None:
+            runner(plan, entry, lane.handle)
+        else:
             with self.mod.stream(lane.stream):
-                post()
+                runner(plan, entry, lane.handle)
 
     def completion_event(self, lane: Lane, token=None):
         ev = lane.pool.pop() if lane.pool else None
@@ -387,6 +363,7 @@ class CudaRuntime(_TorchGpuRuntime):
         super().__init__(device, native)
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         idx = self.index
+        self.raw_current = raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
         if raw is not None:
             # The cudaStream_t of the current stream without building a
             # torch.cuda.Stream object (what torch's own launchers use). The

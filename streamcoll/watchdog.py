@@ -84,7 +84,7 @@ def mode() -> str:
 
 
 def _shapes(comm: Any, e: Any) -> list:
-    shapes = comm._flight.describe(comm, e)["shapes"]
+    shapes = comm.flight.describe(comm, e)["shapes"]
     return [tuple(s) if s is not None else None for s in shapes] if shapes is not None else []
 
 
@@ -110,17 +110,17 @@ def handle_timeout(comm: Any, op: str, seq: int, timeout: float, shapes: list,
     ``synchronize``): mark ``comm`` failed, dump its flight record, abort it
     where the library can, and make a normal process exit safe. Returns the
     :class:`CollectiveTimeout` to raise (it names the dump)."""
-    first = comm._failed is None
+    first = comm.failure is None
     if first:
         # Mark first: the dump then says "failed", and other threads' calls raise at once.
-        comm._failed = CollectiveTimeout(op, seq, timeout, shapes, comm._rank, comm._size)
+        comm.mark_failed(CollectiveTimeout(op, seq, timeout, shapes, comm._rank, comm._size))
     path = _dump_quietly(comm, f"timeout of {op} #{seq}") if first else None
     detail = (detail + "; " if detail else "") + _what_to_do(comm)
     if path:
         detail += f"; flight record: {path} (python -m streamcoll.flight analyze {os.path.dirname(path)})"
     exc = CollectiveTimeout(op, seq, timeout, shapes, comm._rank, comm._size, detail)
     if first:
-        comm._failed = exc
+        comm.mark_failed(exc, replace=True)  # the detailed error replaces the placeholder set above
         _after_failure(comm)
     return exc
 
@@ -207,7 +207,7 @@ class Watchdog:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                comms = [c for c in self._comms if not c._destroyed]
+                comms = [c for c in self._comms if not c.destroyed]
             try:
                 self.check(comms)
             except Exception as e:  # never let the watchdog die silently
@@ -222,68 +222,67 @@ class Watchdog:
             if (now - start) / 1e9 > timeout + GRACE_S:
                 self._fire_guard(what, timeout, detail, (now - start) / 1e9)
         for comm in comms:
-            if comm._destroyed or comm._failed is not None:
+            if comm.destroyed or comm.failure is not None:
                 continue
-            fr = comm._flight
+            fr = comm.flight
             limit = comm.timeout + GRACE_S
             hung = None
             # A synchronous call in flight: the oldest sync entry after the last that returned.
             # Its start is not recorded (hot path); its age counts from when it was first seen.
             running = None
-            ring, mask = fr.ring, fr.mask
-            for sq in range(comm._done + 1, min(comm._seq, comm._done + SCAN) + 1):
-                e = ring[sq & mask]
-                if type(e) is tuple and e[flight.SEQ] == sq and sq not in fr.errors:
+            last = comm.seq
+            for sq in range(fr.done + 1, min(last, fr.done + SCAN) + 1):
+                e = fr.at(sq)
+                if e is not None and e.sync and sq not in fr.errors:
                     running = e
                     break
             if running is None:
-                comm._running_since = None
+                fr.running_since = None
             else:
-                rs = comm._running_since
-                if rs is None or rs[0] != running[flight.SEQ]:
-                    comm._running_since = (running[flight.SEQ], now)
+                rs = fr.running_since
+                if rs is None or rs[0] != running.seq:
+                    fr.running_since = (running.seq, now)
                 elif (now - rs[1]) / 1e9 > limit:
                     hung = (running, (now - rs[1]) / 1e9)
             # Asynchronous work: running on the CPU comm thread, or GPU work whose event has not fired.
             if hung is None:
-                cands = [comm._inflight_async] if comm._inflight_async is not None else []
-                if comm._gpu:
-                    cands += [e for e in fr.recent(comm._seq, SCAN) if type(e) is list]
+                inflight = fr.inflight
+                cands = [inflight] if inflight is not None else []
+                if comm.is_gpu:
+                    cands += [e for e in fr.recent(last, SCAN) if not e.sync]
                 for e in cands:
-                    if e is None:
-                        continue
                     st = fr.state(comm, e)
                     if st == flight.RUNNING:
-                        age = (now - (e[flight.T_START] or e[flight.T_ENQ])) / 1e9
-                    elif st == flight.LAUNCHED and e[flight.EVENT] is not None:
-                        age = (now - e[flight.T_ENQ]) / 1e9
+                        age = (now - (e.t_start or e.t_enq)) / 1e9
+                    elif st == flight.LAUNCHED and e.event is not None:
+                        age = (now - e.t_enq) / 1e9
                     else:
-                        if st == flight.COMPLETED and e[flight.STATE] == flight.LAUNCHED:
-                            e[flight.STATE] = flight.COMPLETED  # no need to query it again
+                        if st == flight.COMPLETED and e.state == flight.LAUNCHED:
+                            e.state = flight.COMPLETED  # no need to query it again
                         continue
                     if age > limit:
                         hung = (e, age)
                         break
             if hung is not None:
                 self._fire(comm, *hung)
-            elif comm._failed is None:
-                fr.resolve(comm, comm._seq)
+            elif comm.failure is None:
+                fr.resolve(comm, last)
 
     # -- on a hang ---------------------------------------------------------
-    def _fire(self, comm: Any, e: list, age: float) -> None:
-        op, seq = e[flight.OP], e[flight.SEQ]
+    def _fire(self, comm: Any, e: Any, age: float) -> None:
+        op, seq = e.op, e.seq
         shapes = _shapes(comm, e)
         m = mode()
         exc = CollectiveTimeout(op, seq, comm.timeout, shapes, comm._rank, comm._size,
                                 f"detected by the watchdog after {age:.1f} s")
-        comm._failed = exc
+        comm.mark_failed(exc)
         path = _dump_quietly(comm, f"watchdog: {op} #{seq} running for {age:.1f} s")
         lines = [
             "",
             f"streamcoll watchdog: {op} (sequence number {seq}) on communicator {comm.name!r} "
             f"({comm._backend.name}, {comm._device}) has not completed after {age:.1f} s "
             f"(timeout {comm.timeout:g} s) on rank {comm._rank} of {comm._size}; tensor shapes {shapes}; "
-            f"strategy {'sync (inline)' if type(e) is tuple else 'async'}.",
+            f"strategy {'sync (inline)' if e.sync else 'async'}.",
             "  Likely cause: another rank died, hung, or called a different collective (or the same one with "
             "other shapes) at this point.",
             f"  Flight record: {path}",
@@ -412,27 +411,19 @@ def nccl_wait_ready(backend: Any, handle: Any, timeout: Optional[float], what: s
         pause = min(pause * 2, 0.01)
 
 
-_NONBLOCKING_CALLS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
-                      "gather", "scatter", "send", "recv", "group_end")
-
-
 def make_nonblocking(comm: Any) -> None:
-    """Wrap ``comm``'s NCCL functions so that ``ncclInProgress`` is polled to
-    completion (or its error, or the communicator's timeout) before the call
-    returns, as a non-blocking communicator requires."""
+    """Poll ``ncclInProgress`` of ``comm``'s calls to completion (or its
+    error, or the communicator's timeout) before the call returns, as a
+    non-blocking communicator requires: an rc hook, so the launch path (and
+    its fast paths) are the same as for a blocking communicator."""
     backend = comm._backend
     in_progress = backend.binding.const("ncclInProgress")
-    for name in _NONBLOCKING_CALLS:
-        f = comm._c.get(name)
-        if f is None:
-            continue
 
-        def polled(*args, _f=f, _name=name):
-            rc = _f(*args)
-            if rc == in_progress:
-                nccl_wait_ready(backend, comm._handle, comm.timeout, _name, comm._rank, comm._size)
-                return 0
-            return rc
+    def poll(cname: str, rc: int) -> bool:
+        if rc != in_progress:
+            return False
+        nccl_wait_ready(backend, comm._handle, comm.timeout, cname, comm.rank, comm.size)
+        return True
 
-        comm._c[name] = polled
-    comm._nonblocking = True
+    comm.register_rc_hook(poll)
+    comm.nonblocking = True

@@ -19,6 +19,8 @@ import weakref
 
 import pytest
 import torch
+
+from streamcoll.spec import Plan
 import torch.distributed as dist
 
 import streamcoll
@@ -251,7 +253,7 @@ def test_failed_call_is_recorded_with_its_error(tmp_path):
             raise RuntimeError("injected library failure")
 
         with pytest.raises(RuntimeError, match="injected"):
-            c._launch("all_reduce", boom, None, (t,), (t,), False, None)
+            c._launch("all_reduce", Plan(boom, (), None, (t,), (t,), "all_reduce"), False, None)
         c.all_reduce(t)
         d = flight.snapshot(c)
         (e1, e2) = d["entries"]
@@ -274,8 +276,9 @@ def test_call_in_flight_shows_its_shapes_and_state(monkeypatch):
 
         def inside(h):  # runs where the C call would
             seen.update(flight.snapshot(c)["entries"][-1])
+            return 0
 
-        c._launch("broadcast", inside, None, (t,), (t,), False, None)
+        c._launch("broadcast", Plan(inside, (), None, (t,), (t,), "broadcast"), False, None)
         assert (seen["seq"], seen["op"], seen["state"], seen["shapes"], seen["dtypes"]) == \
             (2, "broadcast", "running", [[7, 2]], ["float16"])
         assert seen["started"] is None and "start time not recorded" in seen["started_note"]

@@ -257,7 +257,7 @@ class AllGather(Case):
     def raw(self):
         c = self.ctx
         ip, op_, cnt, dt, h, s = c.ptr(self.inp), c.ptr(self.out), self.chunk, c.cdt, c.handle, c.stream
-        return c.raw_call("all_gather", ip, op_, cnt, dt, h, s)
+        return c.raw_call("all_gather_into_tensor", ip, op_, cnt, dt, h, s)
 
 
 class ReduceScatter(Case):
@@ -297,7 +297,7 @@ class ReduceScatter(Case):
     def raw(self):
         c = self.ctx
         ip, op_, cnt, dt, red, h, s = c.ptr(self.inp), c.ptr(self.out), self.chunk, c.cdt, c.csum, c.handle, c.stream
-        return c.raw_call("reduce_scatter", ip, op_, cnt, dt, red, h, s)
+        return c.raw_call("reduce_scatter_tensor", ip, op_, cnt, dt, red, h, s)
 
 
 class Broadcast(Case):
@@ -377,7 +377,7 @@ class AllToAll(Case):
     def raw(self):
         c = self.ctx
         ip, op_, cnt, dt, h, s = c.ptr(self.inp), c.ptr(self.out), self.chunk, c.cdt, c.handle, c.stream
-        return c.raw_call("all_to_all", ip, op_, cnt, dt, h, s)
+        return c.raw_call("all_to_all_single", ip, op_, cnt, dt, h, s)
 
 
 class SendRecv(Case):

@@ -1,0 +1,222 @@
+"""The two launch strategies, written once, and the code generated from them.
+
+``async_op=False`` (current stream): the plan's C call runs on the caller's
+current stream (CPU: inline on the calling thread, under the communicator's
+exec lock, unless async work is queued, which it then goes behind). No event,
+no cross-stream wait.
+
+``async_op=True`` (comm stream): the comm stream cached for the caller's
+(device, current stream) waits on an event recorded on the current stream,
+the plan runs there, a completion event is recorded and a Work comes back.
+
+Sequence numbers are taken in one place, under the exec lock, in the same
+critical section that issues the call (inline) or queues it (CPU comm
+thread), so sequence order is issue order with any number of threads.
+
+Why generated code: a small collective's C call costs 6-10 us here and the
+Python around it is most of what streamcoll adds. The synchronous strategy is
+one source template (:data:`SYNC_TEMPLATE`); :func:`build_sync_launcher`
+instantiates it for the general path (any plan) and :func:`build_fast_path`
+for each collective declared ``fast`` in :mod:`streamcoll.spec`, specialised
+per communicator (C function, handle, dtype table, argument order from the
+header), with the argument checks of the common case inlined. Anything the
+fast path does not take (a numpy array, a non-contiguous tensor, AVG,
+``async_op=True``, queued async work, a bad argument) falls through to the
+general method, which validates and reports. Both run the same template, so
+they cannot drift; ``tests/test_launch.py`` counts the Python frames entered
+on the synchronous call path.
+"""
+from __future__ import annotations
+
+import linecache
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from .recorder import FlightEntry
+from .spec import CollectiveSpec, Plan, c_roles, signature_text
+
+__all__ = ["SYNC_TEMPLATE", "build_sync_launcher", "build_fast_path", "generated_source"]
+
+_GENERATED: Dict[str, str] = {}
+
+# The synchronous strategy. Placeholders: {ready} (whether the call may run
+# inline now), {p2p} (count it as point to point), {name}, {keep} (the
+# tensors a watchdog message shows), {call} (the C call; returns the result
+# code), {cname}, {post}, {ret}, {not_ready} (what to do when it may not: the
+# general path queues it behind the async work, releasing the lock; a fast
+# path releases the lock and falls through to the general path).
+SYNC_TEMPLATE = """\
+_lock.acquire()
+if {ready}:
+    seq = _comm._seq = _comm._seq + 1{p2p}
+    e = _ring[seq & _mask]
+    if e is None or not e.sync:
+        e = _ring[seq & _mask] = _Entry()
+    e.seq = seq
+    e.op = {name}
+    e.p2p = _comm._p2p
+    _fr.cur = {keep}
+    try:
+        rc = {call}
+        if rc:
+            _comm._raise_rc({cname}, rc)
+{post}    except BaseException as x:
+        _fr.failed(seq, x)
+        raise
+    finally:
+        _fr.done = seq
+        _fr.cur = None
+        _lock.release()
+    return {ret}
+{not_ready}
+"""
+
+
+def _indent(text: str, n: int) -> str:
+    pad = " " * n
+    return "".join(pad + line if line.strip() else line for line in text.splitlines(True))
+
+
+_CODE: Dict[str, Any] = {}
+
+
+def _compile(src: str, fname: str, ns: Dict[str, Any], tag: str) -> Callable[..., Any]:
+    """A function ``fname`` from ``src`` over the globals ``ns``. The source
+    depends only on the declaration, the device type and the library (every
+    per-communicator value is in ``ns``), so its code object is compiled once
+    and shared: a communicator costs its namespace, not a compilation (1,000
+    split communicators must not keep 1,000 copies of the text)."""
+    code = _CODE.get(src)
+    if code is None:
+        filename = f"<streamcoll generated {tag} #{len(_CODE)}>"
+        _GENERATED[tag] = src
+        linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+        code = _CODE[src] = compile(src, filename, "exec")
+    exec(code, ns)  # evaluates the def (its defaults) in this communicator's namespace
+    return ns[fname]
+
+
+def generated_source(tag: str) -> str:
+    """The source of a generated function by tag (``launch_sync/cpu``, ``all_reduce/cpu/oneccl``)."""
+    return _GENERATED[tag]
+
+
+def _namespace(comm: Any) -> Dict[str, Any]:
+    fr = comm._flight
+    return {
+        "_comm": comm, "_fr": fr, "_ring": fr.ring, "_mask": fr.mask, "_lock": comm._rt.exec_lock,
+        "_rt": comm._rt, "_Entry": FlightEntry, "_Tensor": torch.Tensor,
+    }
+
+
+def build_sync_launcher(comm: Any) -> Callable[[str, Plan, Any], Any]:
+    """``launch_sync(name, plan, stream)``: the synchronous strategy for any plan."""
+    cpu = not comm._gpu
+    ns = _namespace(comm)
+    ns["_queued"] = comm._run_queued_sync
+    if cpu:
+        ready = "not _rt._pending"
+        head = "    h = _rt._null\n"
+        post = "        if plan.post is not None:\n            plan.post()\n"
+        not_ready = "return _queued(name, plan)"
+    else:
+        ready = "True"
+        head = ("    h = _rt.current_handle() if stream is None else _rt.native(_rt.stream_handle(stream))\n")
+        post = "        if plan.post is not None:\n            _rt.run_post(plan.post, stream)\n"
+        not_ready = "_lock.release()"
+    body = SYNC_TEMPLATE.format(ready=ready, p2p="\n    if plan.p2p:\n        _comm._p2p += 1", name="name",
+                                keep="plan.keep", call="plan.fn(*plan.args, h)", cname="plan.cname",
+                                post=post, ret="None", not_ready=not_ready)
+    src = "def launch_sync(name, plan, stream):\n" + head + _indent(body, 4)
+    return _compile(src, "launch_sync", ns, f"launch_sync/{comm._device.type}")
+
+
+def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]) -> Optional[Callable[..., Any]]:
+    """The generated synchronous fast path of ``spec`` for ``comm`` (None
+    where the device or library has none: XPU, a missing C function)."""
+    if comm._device.type not in ("cpu", "cuda"):
+        return None
+    cx = comm._cx
+    f = cx.cfunc(spec.name)
+    if f is None:
+        return None
+    gpu = comm._gpu
+    roles = c_roles(cx.declarations, comm._backend.funcs[spec.name])
+    ns = _namespace(comm)
+    ns.update({
+        "_general": general, "_f": f, "_h": comm._handle, "_size": comm._size, "_rank": comm._rank,
+        "_dtypes": {k: v for k, v in cx.dtypes.items() if k is not torch.bool},
+        "_ptrs": cx.ptrs.get, "_vp": cx.vp, "_null": comm._rt._null if not gpu else None,
+    })
+    conds: List[str] = []
+    if spec.async_mode == "param":
+        conds.append("async_op is False")
+    conds.append("stream is None")
+    bufs = [p.name for p in spec.buffers]
+    for b in bufs:
+        conds.append(f"type({b}) is _Tensor")
+    for b in bufs:
+        conds.append(f"{b}.get_device() == _idx" if gpu else f"{b}.is_cpu")
+        conds.append(f"{b}.is_contiguous()")
+    send = spec.send or spec.recv
+    assert send is not None
+    conds.append(f"(d := _dtypes.get({send}.dtype)) is not None")
+    for b in bufs:
+        if b != send:
+            conds.append(f"{b}.dtype is {send}.dtype")
+    if spec.reduces:
+        ns["_SUM"] = next(k for k in cx.direct_reductions() if getattr(k, "name", "") == "SUM")
+        ns["_SUMC"] = comm._backend.ops["SUM"]
+        reds = cx.direct_reductions()
+        # by identity: torch's RedOpType compares equal to plain ints, which must not pass as ops
+        ns["_reds"] = {id(k): v for k, v in reds.items()}
+        ns["_reds_alive"] = list(reds)
+        conds.append("(r := (_SUMC if op is _SUM else _reds.get(id(op)))) is not None")
+    peer = spec.root or next((p.name for p in spec.params if p.kind == "rank"), None)
+    if peer is not None:
+        conds.append(f"type({peer}) is int and 0 <= {peer} < _size")
+        if spec.p2p:
+            conds.append(f"{peer} != _rank")
+        if spec.post_on_root_only and comm._backend.nonroot_recv_scratch:
+            conds.append(f"{peer} == _rank")  # non-roots need oneCCL's scratch buffer: general path
+    if spec.p2p:
+        conds.append("tag == 0")
+    for p in spec.params:
+        if p.kind == "splits":
+            conds.append(f"{p.name} is None")  # uneven all-to-all: the general path
+    cbuf, how = spec.count  # type: ignore[misc]
+    if how == "numel/size":
+        conds.append(f"{cbuf}.numel() % _size == 0")
+    for buf, rel, other in spec.sizes:
+        conds.append(f"{buf}.numel() == {other}.numel()" + (" * _size" if rel == "size*" else ""))
+    lines = [f"n = {cbuf}.numel()" + (" // _size" if how == "numel/size" else "")]
+    ptr_of: Dict[str, str] = {}
+    for i, b in enumerate(dict.fromkeys(x for x in (spec.send, spec.recv) if x)):
+        lines.append(f"p{i} = _ptrs({b}.data_ptr()) or _vp({b})")
+        ptr_of[b] = f"p{i}"
+    vals = {"send": ptr_of.get(spec.send or "", ""), "recv": ptr_of.get(spec.recv or "", ""), "count": "n",
+            "dtype": "d", "op": "r", "root": peer or "", "peer": peer or "", "comm": "_h",
+            "stream": "_native(_raw(_idx))" if gpu else "_null"}
+    call = "_f(" + ", ".join(vals[r] for r in roles) + ")"
+    if gpu:
+        ns["_idx"] = comm._rt.index
+        ns["_raw"] = comm._rt.raw_current
+        ns["_native"] = comm._rt.native
+    keep = "(" + ", ".join(bufs) + ",)"
+    ret = {"src": peer}.get(spec.returns, "None")
+    body = SYNC_TEMPLATE.format(ready="True" if gpu else "not _rt._pending",
+                                p2p="\n    _comm._p2p += 1" if spec.p2p else "",
+                                name=repr(spec.name), keep=keep, call=call, cname=repr(spec.name), post="", ret=ret,
+                                not_ready="_lock.release()")
+    sig = signature_text(spec)
+    argnames = [a.split("=")[0] for a in sig.split(", ") if a != "*"]
+    call_general = ", ".join(a if a != "stream" else "stream=stream" for a in argnames)
+    src = (f"def {spec.name}({sig}):\n"
+           f"    if ({(chr(10) + '            and ').join(conds)}):\n"
+           + _indent("\n".join(lines) + "\n" + body, 8)
+           + f"    return _general(_comm, {call_general})\n")
+    fn = _compile(src, spec.name, ns, f"{spec.name}/{comm._device.type}/{comm._backend.name}")
+    fn.__doc__ = spec.doc
+    return fn
+

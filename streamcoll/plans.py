@@ -1,0 +1,331 @@
+"""Turning a collective's arguments into a :class:`~streamcoll.spec.Plan`
+for one communicator: the services the planners of :mod:`streamcoll.spec`
+use (tensor and dtype checks, the reduction table, C pointers, the C
+functions this library has) and the composers for what a library lacks
+(grouped Send/Recv, AlltoAllV).
+
+One :class:`PlanContext` per communicator, made once; nothing here launches
+anything (that is :mod:`streamcoll.launch`).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ._ffi._common import read_declarations
+from .ops import ReduceOp, canonical_op, op_key
+from .spec import TABLE, CollectiveSpec, Plan, c_roles
+from .validation import as_tensor, check_list, check_rank, check_same
+
+__all__ = ["PlanContext"]
+
+_Tensor = torch.Tensor
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@functools.lru_cache(maxsize=None)
+def _declarations(name: str) -> str:
+    return read_declarations(name)
+
+
+class PlanContext:
+    """What a planner sees of its communicator."""
+
+    torch = torch
+
+    def __init__(self, comm: Any) -> None:
+        b = comm._backend
+        self.comm = comm
+        self.backend = b
+        self.ffi = ffi = b.ffi
+        self.lib = comm._lib
+        self.rank: int = comm._rank
+        self.size: int = comm._size
+        self.device = comm._device
+        self.gpu = comm._gpu
+        self.dtypes = b.dtypes
+        self.emulated = b.emulated(comm._device.type)
+        self.op_cache: Dict[Any, tuple] = {}
+        self.declarations = _declarations(b.binding.declarations)
+        # C functions, resolved once (functions the library lacks stay None).
+        self.c: Dict[str, Any] = {}
+        for name, fname in b.funcs.items():
+            try:
+                self.c[name] = getattr(self.lib, fname)
+            except AttributeError:
+                self.c[name] = None
+        # data_ptr -> its ``void *`` cdata. ffi.cast costs ~0.6 us a call; the
+        # cdata is only an address, owning nothing, so reusing it for the same
+        # address is safe. Bounded: cleared when full.
+        ptrs: Dict[int, Any] = {}
+        self.ptrs = ptrs
+        cast = ffi.cast
+        voidp = ffi.typeof("void *")
+
+        def vp(t: Any, _get: Callable = ptrs.get) -> Any:
+            a = t.data_ptr()
+            p = _get(a)
+            if p is None:
+                if len(ptrs) >= 4096:
+                    ptrs.clear()
+                p = ptrs[a] = cast(voidp, a)
+            return p
+
+        self.vp = vp
+        self._barrier_buf: Optional[torch.Tensor] = None
+
+    # ---------------------------------------------------------- accessors
+    @property
+    def handle(self) -> Any:
+        return self.comm._handle
+
+    def cfunc(self, name: str) -> Any:
+        """The C function of collective ``name`` in this library, or None."""
+        return self.c.get(name)
+
+    def has(self, spec: CollectiveSpec) -> bool:
+        return self.c.get(spec.name) is not None
+
+    def need(self, name: str) -> Any:
+        f = self.c.get(name)
+        if f is None:
+            fname = self.backend.funcs.get(name)
+            if fname is None:
+                raise NotImplementedError(f"{name} is not available on backend {self.backend.name!r}")
+            getattr(self.lib, fname)  # raises FunctionNotFoundError naming the version
+        return f
+
+    # ---------------------------------------------------------- checks
+    def t(self, t: Any, name: str) -> torch.Tensor:
+        c = self.comm
+        if type(t) is _Tensor and not self.gpu and t.is_cpu and t.is_contiguous():
+            return t
+        return as_tensor(t, name, c._device, c._dev_type, c._dev_index)
+
+    def tensor_list(self, lst: Any, name: str) -> Sequence[Any]:
+        return check_list(lst, name, self.size)
+
+    same_dtype = staticmethod(check_same)
+
+    def check_rank(self, v: Any, name: str) -> int:
+        return check_rank(v, name, self.size)
+
+    def dtype(self, t: torch.Tensor, opname: str = "", name: str = "tensor") -> int:
+        d = self.dtypes.get(t.dtype)
+        if d is None:
+            supported = ", ".join(str(x).replace("torch.", "") for x in self.dtypes)
+            raise TypeError(
+                f"{name}: dtype {t.dtype} is not supported by {opname or 'this collective'} "
+                f"on backend {self.backend.name!r} (supported: {supported})"
+            )
+        return d
+
+    def reduction(self, op: Any, dtype: torch.dtype, opname: str) -> tuple:
+        """(C reduction, post kind, factor) for ``op`` on ``dtype``; cached."""
+        key = (op_key(op), dtype)
+        spec = self.op_cache.get(key)
+        if spec is not None:
+            return spec
+        name, factor = canonical_op(op)
+        b = self.backend
+        if dtype == torch.bool:
+            if name not in b.bool_ops:
+                raise TypeError(f"op: {name} is not defined for dtype torch.bool in {opname} "
+                                f"on backend {b.name!r} (SUM, PRODUCT, MIN, MAX are)")
+            spec = (b.bool_ops[name], None, 1.0)
+        elif name in ("AVG", "PREMUL_SUM") and (name in self.emulated or name == "PREMUL_SUM"):
+            if name == "PREMUL_SUM" and dtype not in _FLOATS:
+                raise TypeError(f"op: PREMUL_SUM needs a floating dtype in {opname}, got {dtype} "
+                                f"on backend {b.name!r}")
+            if name == "AVG" and dtype not in _FLOATS and dtype not in self.dtypes:
+                raise TypeError(f"op: AVG is not supported for {dtype} in {opname} on backend {b.name!r}")
+            spec = (b.ops["SUM"], name, factor)  # SUM, then scale the result on the same stream
+        else:
+            spec = (b.ops[name], None, 1.0)
+        self.op_cache[key] = spec
+        return spec
+
+    def direct_reductions(self) -> Dict[Any, int]:
+        """Hashable op spellings -> C reduction for ops this library runs
+        as they are on non-bool dtypes (what the generated fast paths take;
+        AVG/PREMUL emulation and bool go the general way)."""
+        out: Dict[Any, int] = {}
+        try:
+            import torch.distributed as dist
+            torch_ops = dist.ReduceOp
+        except Exception:  # pragma: no cover - torch without distributed
+            torch_ops = None
+        for m in ReduceOp:
+            if m is ReduceOp.PREMUL_SUM or (m.value in self.emulated):
+                continue
+            out[m] = self.backend.ops[m.value]
+            if torch_ops is not None and hasattr(torch_ops, m.name):
+                t = getattr(torch_ops, m.name)
+                try:
+                    hash(t)
+                    out[t] = self.backend.ops[m.value]
+                except TypeError:
+                    pass
+        return out
+
+    def post(self, kind: Optional[str], factor: float, out: torch.Tensor,
+             applies: bool = True) -> Optional[Callable[[], Any]]:
+        if kind is None or not applies:
+            return None
+        if kind == "AVG":
+            n = self.size
+            if out.dtype in _FLOATS:
+                return lambda: out.div_(n)
+            return lambda: out.copy_(torch.div(out, n, rounding_mode="trunc"))
+        return lambda: out.mul_(factor)
+
+    # ---------------------------------------------------------- planners
+    def native(self, spec: CollectiveSpec, a: Dict[str, Any], names: Optional[Dict[str, str]] = None,
+               keep: tuple = (), opname: Optional[str] = None) -> Plan:
+        """The plan of a single-call collective, from its declaration."""
+        nm = names or {}
+        opname = opname or spec.name
+        ts: Dict[str, torch.Tensor] = {}
+        for p in spec.buffers:
+            ts[p.name] = self.t(a[p.name], nm.get(p.name, p.name))
+        send_name = spec.send or spec.recv
+        send = ts[send_name]
+        for p in spec.buffers:
+            if p.name != send_name:
+                check_same(send, ts[p.name], nm.get(send_name, send_name), nm.get(p.name, p.name))
+        d = self.dtype(send, opname, nm.get(send_name, send_name) if spec.send != spec.recv else "tensor")
+        cbuf, how = spec.count  # type: ignore[misc]
+        n = ts[cbuf].numel()
+        size = self.size
+        if how == "numel/size":
+            if n % size:
+                raise ValueError(f"{nm.get(cbuf, cbuf)}: expected a number of elements divisible by world "
+                                 f"size {size}, got {n}")
+            n //= size
+        for buf, rel, other in spec.sizes:
+            m = ts[other].numel()
+            want = m * size if rel == "size*" else m
+            if ts[buf].numel() != want:
+                bn, on = nm.get(buf, buf), nm.get(other, other)
+                how_ = f"(world size {size} x {on}'s {m})" if rel == "size*" else f"like {on}"
+                raise ValueError(f"{bn}: expected {want} elements {how_}, got {ts[buf].numel()}")
+        root = self.check_rank(a[spec.root], spec.root) if spec.root else None
+        red = post = None
+        recv = ts[spec.recv] if spec.recv else send
+        if spec.reduces:
+            red, kind, factor = self.reduction(a["op"], send.dtype, opname)
+            post = self.post(kind, factor, recv, not spec.post_on_root_only or root == self.rank)
+        f = self.need(spec.name)
+        vp = self.vp
+        sp = vp(send)
+        if spec.post_on_root_only and root != self.rank and self.backend.nonroot_recv_scratch:
+            # oneCCL writes the receive buffer on every rank: non-roots get a scratch one.
+            scratch = torch.empty_like(send)
+            keep = keep + (scratch,)
+            rp = vp(scratch)
+        else:
+            rp = sp if recv is send else vp(recv)
+        vals = {"send": sp, "recv": rp, "count": n, "dtype": d, "op": red, "root": root, "comm": self.handle}
+        roles = c_roles(self.declarations, self.backend.funcs[spec.name])
+        args = tuple(vals[r] for r in roles if r != "stream")
+        outs = tuple(ts[p.name] for p in spec.buffers if p.mutable)
+        return Plan(f, args, post, tuple(ts.values()) + keep, outs, spec.name)
+
+    def p2p(self, kind: str, tensor: Any, peer: Any, name: str, tag: Any = 0) -> Plan:
+        if peer is None and kind == "recv":
+            raise ValueError("src: receiving from any source is not supported; pass the sender's rank")
+        t = self.t(tensor, "tensor")
+        peer = self.check_rank(peer, name)
+        if peer == self.rank:
+            raise ValueError(f"{name}: expected a rank other than this one ({self.rank})")
+        d = self.dtype(t, kind)
+        f = self.c[kind]
+        return Plan(f, (self.vp(t), t.numel(), d, peer, self.handle), None, (t,), (t,), kind, True)
+
+    def group(self, fns: Sequence[Tuple[Callable[..., int], tuple, str]]) -> Callable[..., int]:
+        """One group launch (GroupStart/GroupEnd) of ``(fn, args, cname)``
+        calls: a composed C call taking the stream, raising on failure."""
+        gs, ge = self.c["group_start"], self.c["group_end"]
+        comm = self.comm
+
+        def grouped(h: Any) -> int:
+            rc = gs()
+            if rc:
+                comm._raise_rc("group_start", rc)
+            err = None
+            for f, args, cname in fns:
+                rc = f(*args, h)
+                if rc and err is None:
+                    err = (cname, rc)
+            rc = ge()
+            if err is not None:
+                comm._raise_rc(*err)
+            if rc:
+                comm._raise_rc("group_end", rc)
+            return 0
+
+        return grouped
+
+    def p2p_group(self, sends: Sequence[tuple], recvs: Sequence[tuple], post: Optional[Callable[[], Any]],
+                  keep: tuple, outputs: tuple, name: str = "p2p_group") -> Plan:
+        """Send/Recv in one group; entries are ``(ptr, count, peer, dtype)``."""
+        fs, fr, h = self.c["send"], self.c["recv"], self.handle
+        calls = [(fs, (p, c, d, peer, h), "send") for p, c, peer, d in sends]
+        calls += [(fr, (p, c, d, peer, h), "recv") for p, c, peer, d in recvs]
+        return Plan(self.group(calls), (), post, keep, outputs, name)
+
+    def alltoallv(self, inp: torch.Tensor, out: torch.Tensor, send: List[int], recv: List[int], d: int) -> Plan:
+        f = self.c.get("all_to_all_v")
+        if f is not None:
+            ffi = self.ffi
+            sc = ffi.new("size_t[]", send)
+            rc_ = ffi.new("size_t[]", recv)
+            # the count arrays must live as long as the call: keep them in the args.
+            return Plan(f, (self.vp(inp), sc, self.vp(out), rc_, d, self.handle), None, (inp, out), (out,),
+                        "all_to_all_v")
+        # NCCL has no AlltoAllV: grouped Send/Recv.
+        esz = inp.element_size()
+        so = np.concatenate(([0], np.cumsum(send)[:-1])).tolist()
+        ro = np.concatenate(([0], np.cumsum(recv)[:-1])).tolist()
+        ib, ob = inp.data_ptr(), out.data_ptr()
+        cast = self.ffi.cast
+        sends = [(cast("void *", ib + so[p] * esz), send[p], p, d) for p in range(self.size) if send[p]]
+        recvs = [(cast("void *", ob + ro[p] * esz), recv[p], p, d) for p in range(self.size) if recv[p]]
+        return self.p2p_group(sends, recvs, None, (inp, out), (out,))
+
+    def batch(self, p2p_op_list: Any) -> Plan:
+        if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
+            raise ValueError("p2p_op_list: expected a non-empty list of P2POp")
+        sends: List[tuple] = []
+        recvs: List[tuple] = []
+        keep: List[torch.Tensor] = []
+        for i, p in enumerate(p2p_op_list):
+            opname = getattr(getattr(p, "op", None), "__name__", "")
+            if opname in ("isend", "send"):
+                kind = "send"
+            elif opname in ("irecv", "recv"):
+                kind = "recv"
+            else:
+                raise ValueError(f"p2p_op_list[{i}].op: expected isend or irecv, got {getattr(p, 'op', None)!r}")
+            grp = getattr(p, "group", None)
+            if grp is not None and grp is not self.comm:
+                raise ValueError(f"p2p_op_list[{i}].group: expected this communicator or None")
+            t = self.t(p.tensor, "tensor")
+            peer = self.check_rank(p.peer, f"p2p_op_list[{i}].peer")
+            if peer == self.rank:
+                raise ValueError(f"p2p_op_list[{i}].peer: expected a rank other than this one ({self.rank})")
+            d = self.dtype(t, kind)
+            (sends if kind == "send" else recvs).append((self.vp(t), t.numel(), peer, d))
+            keep.append(t)
+        plan = self.p2p_group(sends, recvs, None, tuple(keep), tuple(keep), "batch_isend_irecv")
+        plan.p2p = True
+        return plan
+
+    def barrier(self) -> Plan:
+        buf = self._barrier_buf
+        if buf is None:
+            buf = self._barrier_buf = torch.zeros(1, dtype=torch.int32, device=self.device)
+        return self.native(TABLE["all_reduce"], {"tensor": buf, "op": ReduceOp.SUM}, opname="barrier")

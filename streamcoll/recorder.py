@@ -1,0 +1,203 @@
+"""The flight recorder's ring: one :class:`FlightRecorder` per communicator,
+written by the launch path (:mod:`streamcoll.launch`), read by the watchdog
+and by the dumps and analysis of :mod:`streamcoll.flight` (where the layout
+and its costs are described). A module of its own so that importing
+streamcoll does not import :mod:`streamcoll.flight`, which runs as a command
+(``python -m streamcoll.flight``)."""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import weakref
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+__all__ = ["FlightRecorder", "FlightEntry", "attach", "default_dir",
+           "ENQUEUED", "RUNNING", "LAUNCHED", "COMPLETED", "FAILED"]
+
+# States.
+ENQUEUED = "enqueued"    # async, waiting for the comm thread
+RUNNING = "running"      # inside the C call
+LAUNCHED = "launched"    # GPU: enqueued on a stream; completion unknown yet
+COMPLETED = "completed"
+FAILED = "failed"
+
+now_ns = time.monotonic_ns
+wref = weakref.ref
+
+
+class FlightEntry:
+    """One operation in the ring (named fields, one type for both strategies).
+
+    ``sync``: a synchronous call; its state is derived (see the module
+    docstring) and its slot object is reused by later synchronous calls, so
+    the hot path allocates nothing. Asynchronous entries are new objects
+    (they are referenced by the comm thread and the watchdog until done).
+    """
+
+    __slots__ = ("seq", "op", "p2p", "sync", "t_enq", "refs", "t_start", "t_end", "state", "event", "error")
+
+    def __init__(self, seq: int = 0, op: str = "", p2p: int = 0, sync: bool = True, t_enq: int = 0,
+                 refs: Any = None, state: str = COMPLETED) -> None:
+        self.seq = seq
+        self.op = op
+        self.p2p = p2p
+        self.sync = sync
+        self.t_enq = t_enq
+        self.refs = refs
+        self.t_start = 0
+        self.t_end = 0
+        self.state = state
+        self.event: Any = None
+        self.error: Optional[str] = None
+
+    def __repr__(self) -> str:
+        return f"<FlightEntry #{self.seq} {self.op} {'sync' if self.sync else 'async'} {self.state}>"
+
+
+def _capacity() -> int:
+    v = os.environ.get("STREAMCOLL_FLIGHT_SIZE", "1024")
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"STREAMCOLL_FLIGHT_SIZE: expected an integer number of entries, got {v!r}") from None
+    if n < 0:
+        raise ValueError(f"STREAMCOLL_FLIGHT_SIZE: expected >= 0, got {n}")
+    return n
+
+
+def default_dir() -> str:
+    """Where dumps go unless a path is given: ``STREAMCOLL_FLIGHT_DIR`` or
+    ``<tmp>/streamcoll-flight``."""
+    return os.environ.get("STREAMCOLL_FLIGHT_DIR") or os.path.join(tempfile.gettempdir(), "streamcoll-flight")
+
+
+class FlightRecorder:
+    """The ring of one communicator, and the state the launch path keeps for
+    the watchdog.
+
+    ``ring`` and ``mask`` are what the launch path writes to, together with
+    ``done`` (sequence number of the last synchronous call that returned),
+    ``cur`` (the tensors of the synchronous call in flight), ``inflight``
+    (the async entry running on the CPU comm thread) and ``failed()``;
+    everything else here runs off the hot path (watchdog pass, dump).
+    """
+
+    __slots__ = ("ring", "mask", "capacity", "wall0", "mono0", "errors", "desc", "_resolved_upto",
+                 "done", "cur", "inflight", "running_since")
+
+    def __init__(self, capacity: int) -> None:
+        cap = 1
+        while cap < capacity:
+            cap <<= 1
+        self.capacity = cap
+        self.ring: List[Optional[FlightEntry]] = [None] * cap
+        self.mask = cap - 1
+        # Anchor to turn monotonic stamps into wall-clock times in dumps.
+        self.wall0 = time.time()
+        self.mono0 = now_ns()
+        self.errors: Dict[int, str] = {}  # seq -> error of a failed synchronous call
+        self.desc: Dict[int, dict] = {}   # seq -> resolved shapes/dtypes of a synchronous entry
+        self._resolved_upto = 0
+        self.done = 0
+        self.cur: Any = None
+        self.inflight: Optional[FlightEntry] = None
+        # (seq, monotonic ns): when the watchdog first saw a synchronous call running
+        self.running_since: Optional[Tuple[int, int]] = None
+
+    def failed(self, seq: int, exc: BaseException) -> None:
+        """Record that synchronous call ``seq`` raised (the launch path's except branch)."""
+        self.errors[seq] = f"{type(exc).__name__}: {exc}"
+        if len(self.errors) > self.capacity:
+            for k in sorted(self.errors)[: len(self.errors) - self.capacity]:
+                del self.errors[k]
+
+    def entries(self) -> List[FlightEntry]:
+        """Recorded entries, oldest first."""
+        return sorted((e for e in self.ring if e is not None and e.seq), key=lambda e: e.seq)
+
+    def at(self, seq: int) -> Optional[FlightEntry]:
+        """The entry of sequence number ``seq`` if the ring still holds it."""
+        e = self.ring[seq & self.mask]
+        return e if e is not None and e.seq == seq else None
+
+    def recent(self, last_seq: int, n: int) -> Iterable[FlightEntry]:
+        """Up to ``n`` entries with sequence numbers <= ``last_seq``, newest first."""
+        for s in range(last_seq, max(last_seq - n, 0), -1):
+            e = self.at(s)
+            if e is not None:
+                yield e
+
+    def describe(self, comm: Any, e: FlightEntry) -> dict:
+        """``{"shapes": [...], "dtypes": [...]}`` of an entry (None where unknown)."""
+        if e.sync:
+            d = self.desc.get(e.seq)
+            if d is not None:
+                return d
+            cur = self.cur
+            if cur is not None and self.state(comm, e) == RUNNING:
+                d = _read(cur)
+                self.desc[e.seq] = d
+                return d
+            return {"shapes": None, "dtypes": None}
+        r = e.refs
+        if type(r) is dict:
+            return r
+        d = e.refs = _read(r)
+        return d
+
+    def resolve(self, comm: Any, last_seq: int) -> None:
+        """Read the shapes of async entries up to ``last_seq`` while their
+        tensors are still alive (the watchdog calls this periodically)."""
+        start = max(self._resolved_upto + 1, last_seq - self.capacity + 1, 1)
+        for s in range(start, last_seq + 1):
+            e = self.at(s)
+            if e is not None and not e.sync:
+                self.describe(comm, e)
+        self._resolved_upto = max(self._resolved_upto, last_seq)
+        if len(self.desc) > 2 * self.capacity:
+            lo = last_seq - self.capacity
+            for k in [k for k in self.desc if k <= lo]:
+                del self.desc[k]
+
+    def state(self, comm: Any, e: FlightEntry) -> str:
+        """The state of entry ``e`` of ``comm`` now."""
+        if e.sync:
+            if e.seq in self.errors:
+                return FAILED
+            if e.seq > self.done:
+                return RUNNING
+            return LAUNCHED if comm._gpu else COMPLETED
+        st = e.state
+        if st == LAUNCHED and e.event is not None:
+            try:
+                if e.event.query():
+                    return COMPLETED
+            except Exception:
+                pass
+        return st
+
+    def wall(self, mono: int) -> Optional[float]:
+        return None if not mono else self.wall0 + (mono - self.mono0) / 1e9
+
+
+def _read(r: Any) -> dict:
+    """Shapes and dtypes of tensors given as weak references or directly."""
+    items = (r,) if type(r) is wref else (r or ())
+    shapes, dtypes = [], []
+    for x in items:
+        t = x() if type(x) is wref else x
+        try:
+            shapes.append(list(t.shape))
+            dtypes.append(str(t.dtype).replace("torch.", ""))
+        except Exception:  # freed before it was read
+            shapes.append(None)
+            dtypes.append(None)
+    return {"shapes": shapes, "dtypes": dtypes}
+
+
+def attach(comm: Any) -> FlightRecorder:
+    """A recorder for ``comm`` (``STREAMCOLL_FLIGHT_SIZE`` entries)."""
+    return FlightRecorder(_capacity())
+
+
