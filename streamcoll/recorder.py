@@ -91,7 +91,9 @@ class FlightRecorder:
         while cap < capacity:
             cap <<= 1
         self.capacity = cap
-        self.ring: List[Optional[FlightEntry]] = [None] * cap
+        # Pre-filled with (unused, seq 0) synchronous entries: the launch path
+        # then only writes fields, it never allocates.
+        self.ring: List[Optional[FlightEntry]] = [FlightEntry() for _ in range(cap)]
         self.mask = cap - 1
         # Anchor to turn monotonic stamps into wall-clock times in dumps.
         self.wall0 = time.time()

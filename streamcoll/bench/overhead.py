@@ -1,25 +1,25 @@
-"""Per-call host overhead of streamcoll's all_reduce, against the raw C call
-and torch.distributed, on a one-rank communicator with a 1-element tensor.
+"""Per-call host overhead of streamcoll's collectives, against the raw C
+call and torch.distributed, on a one-rank communicator with 1-element tensors.
 
     python -m streamcoll.bench.overhead [--calls 1000] [--reps 21] [--profile] [--out PREFIX]
 
 At world size 1 the library does no communication, so what is left is the
 cost of a call: argument checks, the launch strategy, the C call itself.
-Variants, each timed as ``calls`` back-to-back calls per repetition and
-reported as the median per-call time over the repetitions (the variants are
-interleaved within every repetition, in rotating order, so that drift of the
-machine hits them alike):
+For each of all_reduce, broadcast, all_gather_into_tensor and
+reduce_scatter_tensor the variants are, each timed as ``calls``
+back-to-back calls per repetition and reported as the median per-call time
+over the repetitions (all variants are interleaved within every repetition,
+in rotating order, so that drift of the machine hits them alike):
 
-(a) raw: the C function through streamcoll's cffi binding, pointer cast and
-    enum values hoisted out of the loop (the floor for any Python wrapper);
-(b) ``streamcoll.all_reduce(t)``: the module-level function, async_op=False;
-(c) ``comm.all_reduce(t)``: the Communicator method;
-(d) ``streamcoll.all_reduce(t, async_op=True).wait()``;
-(e) ``torch.distributed.all_reduce(t)``: gloo on the CPU, nccl on CUDA.
+- raw: the C function through streamcoll's cffi binding with the arguments
+  bound once (a C-level partial: the floor for any Python wrapper);
+- ``streamcoll.<name>(...)``: the module-level function, async_op=False;
+- ``comm.<name>(...)``: the Communicator method (its generated fast path);
+- ``torch.distributed.<name>(...)``: gloo on the CPU, nccl on CUDA;
+- for all_reduce also ``async_op=True`` + ``wait()``.
 
-Targets (issue 5, CPU): (b) <= 1.3x (a); (e) >= 5x (b). Timings never gate
-tests. ``--profile`` adds a cProfile of (b) and a step-by-step breakdown of
-what one call does, to show where the time above the raw call goes.
+Timings never gate tests. ``--profile`` adds the Python frames one call
+enters and a cProfile of ``streamcoll.all_reduce``.
 """
 from __future__ import annotations
 
@@ -52,94 +52,99 @@ def _setup(device: str, baseline: bool):
     return comm
 
 
-def _variants(comm, t, baseline: bool) -> Dict[str, Callable[[int], None]]:
-    import torch
-    import torch.distributed as dist
-    import streamcoll
-    b = comm._backend
-    ffi = b.ffi
-    f = getattr(b.lib(), b.funcs["all_reduce"])
-    dt = b.dtypes[t.dtype]
-    op = b.ops["SUM"]
-    handle = comm.handle
-    ptr = ffi.cast("void *", t.data_ptr())
-    gpu = t.is_cuda
-    if gpu:
-        stream = ffi.cast("cudaStream_t", torch.cuda.current_stream().cuda_stream)
-        sync = torch.cuda.synchronize
-    else:
-        stream = ffi.NULL
-        sync = None
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
+# torch.distributed's function of the same name (gloo/nccl), same arguments.
+_ARGS = {
+    "all_reduce": lambda t, o: (t,),
+    "broadcast": lambda t, o: (t, 0),
+    "all_gather_into_tensor": lambda t, o: (o, t),
+    "reduce_scatter_tensor": lambda t, o: (o, t),
+}
+
+
+def _raw(comm, name: str, args: tuple):
+    """The C call of ``name`` with the arguments streamcoll's plan puts in the
+    header's order, bound once (a C-level partial): the floor for any wrapper."""
+    import functools
+    from streamcoll import spec
+    s = spec.TABLE[name]
+    plan = s.planner(comm._cx, *args, *(p.default for p in s.params[len(args):]))
+    rt = comm._rt
+    h = rt.current_handle() if comm.is_gpu else rt._null
+    call = functools.partial(plan.fn, *plan.args, h)
+    err = comm._raise_rc
 
     def raw(n: int) -> None:
         for _ in range(n):
-            rc = f(ptr, ptr, 1, dt, op, handle, stream)
+            rc = call()
             if rc:
-                raise b.binding.error(b.funcs["all_reduce"], rc, handle)
+                err(plan.cname, rc)
+    return raw
 
-    def module_level(n: int) -> None:
-        ar = streamcoll.all_reduce
-        for _ in range(n):
-            ar(t)
 
-    def method(n: int) -> None:
-        ar = comm.all_reduce
-        for _ in range(n):
-            ar(t)
+def _variants(comm, t, baseline: bool, collectives=COLLECTIVES) -> Dict[str, Callable[[int], None]]:
+    import torch
+    import torch.distributed as dist
+    import streamcoll
+    o = torch.empty_like(t)
+    sync = torch.cuda.synchronize if t.is_cuda else None
+    out: Dict[str, Callable[[int], None]] = {}
 
-    def async_wait(n: int) -> None:
-        ar = streamcoll.all_reduce
-        for _ in range(n):
-            ar(t, async_op=True).wait()
+    def loop(fn, args):
+        def run(n: int) -> None:
+            for _ in range(n):
+                fn(*args)
+        return run
 
-    def torch_dist(n: int) -> None:
-        ar = dist.all_reduce
-        for _ in range(n):
-            ar(t)
+    for name in collectives:
+        args = _ARGS[name](t, o)
+        out[f"{name}/raw"] = _raw(comm, name, args)
+        out[f"{name}/streamcoll"] = loop(getattr(streamcoll, name), args)
+        out[f"{name}/comm"] = loop(getattr(comm, name), args)
+        if baseline:
+            out[f"{name}/torch.distributed"] = loop(getattr(dist, name), args)
+    if "all_reduce" in collectives:
+        def async_wait(n: int) -> None:
+            ar = streamcoll.all_reduce
+            for _ in range(n):
+                ar(t, async_op=True).wait()
+        out["all_reduce/async+wait"] = async_wait
 
     def empty(n: int) -> None:
         for _ in range(n):
             pass
 
-    out = {
-        "raw": raw,
-        "streamcoll.all_reduce": module_level,
-        "comm.all_reduce": method,
-        "all_reduce(async_op=True).wait()": async_wait,
-    }
-    if baseline:
-        out["torch.distributed.all_reduce"] = torch_dist
     out["empty loop"] = empty
     if sync is not None:
         out = {k: (lambda fn: (lambda n: (fn(n), sync())))(v) for k, v in out.items()}
     return out
 
 
-LABELS = {
-    "raw": "(a) raw C call via cffi",
-    "streamcoll.all_reduce": "(b) streamcoll.all_reduce(t)",
-    "comm.all_reduce": "(c) comm.all_reduce(t)",
-    "all_reduce(async_op=True).wait()": "(d) all_reduce(t, async_op=True).wait()",
-    "torch.distributed.all_reduce": "(e) torch.distributed.all_reduce(t)",
-    "empty loop": "    (empty Python loop, per iteration)",
-}
+def _label(key: str) -> str:
+    if key == "empty loop":
+        return "    (empty Python loop, per iteration)"
+    name, v = key.split("/")
+    return {"raw": f"{name}: raw C call via cffi", "streamcoll": f"{name}: streamcoll.{name}",
+            "comm": f"{name}: comm.{name}", "torch.distributed": f"{name}: torch.distributed.{name}",
+            "async+wait": f"{name}: async_op=True + wait()"}[v]
 
 
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 
 
 def run(device: str = "cpu", calls: int = 1000, reps: int = 21, baseline: bool = True,
-        warmup: int = 200, threshold: float = 1.5, clock: str = "wall") -> Dict[str, object]:
+        warmup: int = 200, threshold: float = 1.5, clock: str = "wall",
+        collectives=COLLECTIVES) -> Dict[str, object]:
     """Time every variant; returns the JSON record.
 
     ``clock="process"`` counts the CPU time of all the process's threads
     instead of wall time: on a loaded machine it leaves out the time the
     process waited for a core, at the price of not counting thread hand-off
-    latency (it flatters (d) and gloo, whose work runs on other threads)."""
+    latency (it flatters async+wait and gloo, whose work runs on other threads)."""
     import torch
     comm = _setup(device, baseline)
     t = torch.full((1,), 3.0, dtype=torch.float32, device=device)
-    variants = _variants(comm, t, baseline)
+    variants = _variants(comm, t, baseline, collectives)
     names = list(variants)
     for fn in variants.values():
         fn(warmup)
@@ -152,112 +157,50 @@ def run(device: str = "cpu", calls: int = 1000, reps: int = 21, baseline: bool =
             t0 = pc()
             fn(calls)
             samples[name].append((pc() - t0) / calls)
-    # World size 1: SUM of one contribution leaves the value as it was.
+    # World size 1: every one of these leaves the value as it was.
     if float(t.item()) != 3.0:
-        raise AssertionError(f"all_reduce at world size 1 changed the value: 3.0 -> {t.item()}")
+        raise AssertionError(f"a collective at world size 1 changed the value: 3.0 -> {t.item()}")
     stats = {k: Stats(v, threshold) for k, v in samples.items()}
-    raw = stats["raw"].median
+    results = {}
+    for k, st in stats.items():
+        raw = stats[k.split("/")[0] + "/raw"].median if "/" in k else stats[f"{collectives[0]}/raw"].median
+        results[k] = {"label": _label(k), "time_us": st.as_us(), "ratio_to_raw": st.median / raw,
+                      "spread": st.spread, "noisy": st.noisy}
     rec: Dict[str, object] = {
         "device": device, "backend": comm.backend, "calls": calls, "reps": reps, "clock": clock,
-        "tensor": {"numel": 1, "dtype": "float32"},
-        "results": {
-            k: {"label": LABELS[k], "time_us": s.as_us(), "ratio_to_raw": s.median / raw,
-                "spread": s.spread, "noisy": s.noisy}
-            for k, s in stats.items()
-        },
+        "tensor": {"numel": 1, "dtype": "float32"}, "results": results,
     }
-    b = stats["streamcoll.all_reduce"].median
-    targets = {"streamcoll.all_reduce / raw": {"value": b / raw, "target": "<= 1.3", "met": b / raw <= 1.3}}
-    if baseline:
-        g = stats["torch.distributed.all_reduce"].median
-        targets["torch.distributed / streamcoll.all_reduce"] = {"value": g / b, "target": ">= 5", "met": g / b >= 5}
-    rec["targets"] = targets
+    rec["ratios"] = {name: {"streamcoll / raw": results[f"{name}/streamcoll"]["ratio_to_raw"],
+                            "comm / raw": results[f"{name}/comm"]["ratio_to_raw"],
+                            **({"torch.distributed / streamcoll":
+                                stats[f"{name}/torch.distributed"].median / stats[f"{name}/streamcoll"].median}
+                               if baseline else {})}
+                     for name in collectives}
     return rec
 
 
-def layers(comm, t, calls: int = 500, reps: int = 41, clock: str = "wall") -> Dict[str, Dict[str, float]]:
-    """The call path rebuilt layer by layer from the real pieces, each layer
-    adding one step to the one before, timed interleaved like the variants:
-    the differences say what each step costs in place (us per call)."""
+def frames(comm, t, name: str = "all_reduce") -> Dict[str, int]:
+    """Python frames entered by one synchronous call (``sys.setprofile``):
+    the deterministic proxy for the fast path's cost that tests assert on."""
     import streamcoll
-    from streamcoll.communicator import _Tensor
-    b = comm._backend
-    f = getattr(b.lib(), b.funcs["all_reduce"])
-    dt, op, h = b.dtypes[t.dtype], b.ops["SUM"], comm.handle
-    ptr = comm._vp(t)
-    null = comm._ffi.NULL
-    rt = comm._rt
-    dtypes, ptrs = comm._dtypes, comm._ptrs
+    counts: Dict[str, int] = {}
+    o = t.clone()
+    args = _ARGS[name](t, o)
+    for label, fn in ((f"streamcoll.{name}", getattr(streamcoll, name)), (f"comm.{name}", getattr(comm, name))):
+        fn(*args)
+        n = 0
 
-    def l0(n):
-        for _ in range(n):
-            rc = f(ptr, ptr, 1, dt, op, h, null)
-            if rc:
-                raise RuntimeError(rc)
-
-    def l1(n):  # + the per-call closure, as all_reduce builds it
-        for _ in range(n):
-            def fn(hh):
-                rc = f(ptr, ptr, 1, dt, op, h, hh)
-                if rc:
-                    raise RuntimeError(rc)
-            fn(null)
-
-    def l2(n):  # + CpuRuntime.run_current (exec lock, pending check)
-        run = rt.run_current
-        for _ in range(n):
-            def fn(hh):
-                rc = f(ptr, ptr, 1, dt, op, h, hh)
-                if rc:
-                    raise RuntimeError(rc)
-            run(fn, None)
-
-    def l3(n):  # + reading and checking the tensor (type, device, layout, dtype, numel, pointer)
-        run = rt.run_current
-        for _ in range(n):
-            x = t
-            if not (type(x) is _Tensor and x.is_cpu and x.is_contiguous()):
-                raise TypeError
-            d = dtypes.get(x.dtype)
-            cnt = x.numel()
-            p = ptrs.get(x.data_ptr())
-
-            def fn(hh):
-                rc = f(p, p, cnt, d, op, h, hh)
-                if rc:
-                    raise RuntimeError(rc)
-            run(fn, None)
-
-    def l4(n):  # the real method: + op lookup, Communicator._launch (state checks, flight record)
-        ar = comm.all_reduce
-        for _ in range(n):
-            ar(t)
-
-    def l5(n):  # + the module-level function (default communicator lookup)
-        ar = streamcoll.all_reduce
-        for _ in range(n):
-            ar(t)
-
-    steps = {
-        "raw C call": l0,
-        "+ closure fn(h)": l1,
-        "+ CpuRuntime.run_current": l2,
-        "+ tensor checks and reads": l3,
-        "= comm.all_reduce (+ op lookup, _launch)": l4,
-        "= streamcoll.all_reduce (+ module function)": l5,
-    }
-    pc = CLOCKS[clock]
-    samples: Dict[str, List[float]] = {k: [] for k in steps}
-    names = list(steps)
-    for fn in steps.values():
-        fn(100)
-    for r in range(reps):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            t0 = pc()
-            steps[name](calls)
-            samples[name].append((pc() - t0) / calls * 1e6)
-    return {k: {"median": Stats(v).median, "min": Stats(v).min} for k, v in samples.items()}
+        def prof(frame, event, arg):
+            nonlocal n
+            if event == "call":
+                n += 1
+        sys.setprofile(prof)
+        try:
+            fn(*args)
+        finally:
+            sys.setprofile(None)
+        counts[label] = n
+    return counts
 
 
 def step_costs(t) -> Dict[str, float]:
@@ -303,16 +246,16 @@ def profile(comm, t, calls: int = 20000, top: int = 15) -> str:
 
 
 def format_table(rec: Dict[str, object]) -> str:
-    lines = [f"per-call overhead, world size 1, 1-element float32 all_reduce, device {rec['device']} "
+    lines = [f"per-call overhead, world size 1, 1-element float32, device {rec['device']} "
              f"({rec['backend']}); median of {rec['reps']} x {rec['calls']} calls, {rec['clock']} clock",
-             f"{'variant':44s} {'median us':>10s} {'min us':>8s} {'max us':>8s} {'x raw':>7s}"]
+             f"{'variant':58s} {'median us':>10s} {'min us':>8s} {'max us':>8s} {'x raw':>7s}"]
     for k, r in rec["results"].items():  # type: ignore[union-attr]
         tu = r["time_us"]
         flag = "  (noisy: spread %.2fx)" % r["spread"] if r["noisy"] else ""
-        lines.append(f"{r['label']:44s} {tu['median']:10.2f} {tu['min']:8.2f} {tu['max']:8.2f} "
+        lines.append(f"{r['label']:58s} {tu['median']:10.2f} {tu['min']:8.2f} {tu['max']:8.2f} "
                      f"{r['ratio_to_raw']:7.2f}{flag}")
-    for k, v in rec["targets"].items():  # type: ignore[union-attr]
-        lines.append(f"target {k}: {v['value']:.2f} (want {v['target']}): {'met' if v['met'] else 'NOT met'}")
+    for k, v in rec["ratios"].items():  # type: ignore[union-attr]
+        lines.append(f"{k}: " + ", ".join(f"{a} {b:.2f}" for a, b in v.items()))
     return "\n".join(lines)
 
 
@@ -326,6 +269,8 @@ def main(argv=None) -> int:
                    help="wall (default) or process: CPU time of the process, for a loaded machine")
     p.add_argument("--noise-threshold", type=float, default=1.5, help="warn when max/min of a variant exceeds this")
     p.add_argument("--profile", action="store_true", help="also print a cProfile of (b) and a per-step breakdown")
+    p.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=COLLECTIVES,
+                   help="which collectives (default: all four)")
     p.add_argument("--json", help="write the results (and the machine description) here")
     p.add_argument("--table", help="write the printed table here too")
     p.add_argument("--out", help="prefix for --json/--table: PREFIX.json, PREFIX.txt")
@@ -340,7 +285,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     load0 = loadavg()
     cpu0 = cpu_snapshot()
-    rec = run(a.device, a.calls, a.reps, not a.no_baseline, threshold=a.noise_threshold, clock=a.clock)
+    rec = run(a.device, a.calls, a.reps, not a.no_baseline, threshold=a.noise_threshold, clock=a.clock,
+              collectives=tuple(a.collectives))
     import streamcoll
     comm = streamcoll.default_communicator()
     mach = describe(a.device)
@@ -356,12 +302,10 @@ def main(argv=None) -> int:
     if a.profile:
         import torch
         t = torch.full((1,), 3.0, dtype=torch.float32, device=a.device)
-        ly = layers(comm, t, clock=a.clock)
-        rec["layers_us"] = ly
-        base = ly["raw C call"]["median"]
-        out.append(f"\nthe call path layer by layer (us per call, {a.clock} clock; +us over the raw call):")
-        out += [f"  {k:48s} median {v['median']:6.2f} (+{v['median'] - base:5.2f})  min {v['min']:6.2f}"
-                for k, v in ly.items()]
+        fr = {name: frames(comm, t, name) for name in a.collectives}
+        rec["frames"] = fr
+        out.append("\nPython frames entered by one synchronous call (sys.setprofile):")
+        out += [f"  {k:48s} {v}" for d in fr.values() for k, v in d.items()]
         sc = step_costs(t)
         rec["step_costs_ns"] = sc
         out.append("\nsingle operations (ns, best of 5):")
