@@ -43,22 +43,19 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from . import bootstrap
+from . import spec as _spec
 from .communicator import Communicator
 from .ops import PreMulSum, ReduceOp, canonical_op
 
 __all__ = [
-    "comm_id", "lookup_comm", "stream_index", "lookup_stream", "new_event_slot",
-    "TracedWork", "all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
-    "reduce_scatter_tensor", "all_to_all_single", "barrier",
-    "functional_all_reduce", "functional_broadcast", "functional_reduce",
-    "functional_all_gather_into_tensor", "functional_reduce_scatter_tensor",
-    "functional_all_to_all_single",
-]
+    "comm_id", "lookup_comm", "stream_index", "lookup_stream", "new_event_slot", "TracedWork", "barrier",
+    "SIDE_EFFECT_OPS",
+]  # + the generated traced wrappers and functional_* functions (see _install)
 
 _NS = "streamcoll"
 _Tensor = torch.Tensor
@@ -199,72 +196,159 @@ def _reduce_op(name: str, factor: float) -> Any:
 
 
 # ---------------------------------------------------------------- the ops
+# Generated from the declarations (streamcoll.spec, ``compiled=True``): for
+# each collective an in-place op ``<name>_`` (the buffers it writes declared
+# mutated; ``event >= 0``: async, its Work stored in that slot) and a
+# functional op ``<name>`` (new tensors out, inputs untouched, synchronous),
+# each with its fake, plus the traced wrappers the module-level functions call
+# while compiling. Schemas follow one rule: tensors, ranks, split sizes,
+# ``comm``, the reduction as ``(op, factor)``, ``world_size`` (functional ops
+# whose result shape depends on it), ``event``.
 def _launch(work: Any, event: int) -> None:
     if event >= 0:
         _put_event(event, work)
 
 
-@torch.library.custom_op(f"{_NS}::all_reduce_", mutates_args=("tensor",))
-def all_reduce_(tensor: _Tensor, comm: int, op: str, factor: float, event: int) -> None:
-    """In place all_reduce; ``event >= 0``: async, Work stored in that slot."""
-    _launch(lookup_comm(comm).all_reduce(tensor, _reduce_op(op, factor), event >= 0), event)
+def _gather_shape(input: _Tensor, world_size: int) -> List[int]:
+    shape = list(input.shape)
+    if not shape:
+        return [world_size]
+    shape[0] = shape[0] * world_size
+    return shape
 
 
-@all_reduce_.register_fake
-def _(tensor, comm, op, factor, event):
-    return None
+def _scatter_shape(input: _Tensor, world_size: int) -> List[int]:
+    shape = list(input.shape)
+    if not shape or shape[0] % world_size:
+        raise ValueError(f"input: dim 0 of shape {tuple(input.shape)} must divide by world size {world_size}")
+    shape[0] //= world_size
+    return shape
 
 
-@torch.library.custom_op(f"{_NS}::broadcast_", mutates_args=("tensor",))
-def broadcast_(tensor: _Tensor, src: int, comm: int, event: int) -> None:
-    _launch(lookup_comm(comm).broadcast(tensor, src, event >= 0), event)
+def _a2a_shape(input: _Tensor, output_split_sizes: Optional[List[int]]) -> List[int]:
+    shape = list(input.shape)
+    if output_split_sizes is not None and shape:
+        shape[0] = sum(output_split_sizes)
+    return shape
 
 
-@broadcast_.register_fake
-def _(tensor, src, comm, event):
-    return None
+def _check_size(c: Communicator, world_size: int) -> Communicator:
+    if c.size != world_size:
+        raise RuntimeError(f"world_size: traced for {world_size} ranks, communicator has {c.size}")
+    return c
 
 
-@torch.library.custom_op(f"{_NS}::reduce_", mutates_args=("tensor",))
-def reduce_(tensor: _Tensor, dst: int, comm: int, op: str, factor: float, event: int) -> None:
-    _launch(lookup_comm(comm).reduce(tensor, dst, _reduce_op(op, factor), event >= 0), event)
+_ANN = {_spec.TENSOR: "_Tensor", _spec.RANK: "int", _spec.SPLITS: "Optional[List[int]]"}
+_RESULT = {"same": "input.clone(memory_format=torch.contiguous_format)",
+           "gather": "inp.new_empty(_gather_shape(inp, world_size))",
+           "scatter": "inp.new_empty(_scatter_shape(inp, world_size))",
+           "a2a": "inp.new_empty(_a2a_shape(inp, output_split_sizes))"}
+_FAKE = {"same": "torch.empty_like(input, memory_format=torch.contiguous_format)",
+         "gather": "input.new_empty(_gather_shape(input, world_size))",
+         "scatter": "input.new_empty(_scatter_shape(input, world_size))",
+         "a2a": "input.new_empty(_a2a_shape(input, output_split_sizes))"}
+SIDE_EFFECT_OPS: List[Any] = []
 
 
-@reduce_.register_fake
-def _(tensor, dst, comm, op, factor, event):
-    return None
+def _sources(s: _spec.CollectiveSpec) -> Tuple[str, List[str]]:
+    """The source of the ops and wrappers of ``s``, and the names of the ops."""
+    bufs = [p for p in s.buffers]
+    ranks = [p for p in s.params if p.kind == _spec.RANK]
+    splits = [p for p in s.params if p.kind == _spec.SPLITS]
+    red = s.reduces
+    ns = repr(_NS)
+    src: List[str] = []
+    # in place
+    sig = [f"{p.name}: _Tensor" for p in bufs] + [f"{p.name}: int" for p in ranks]
+    sig += [f"{p.name}: {_ANN[p.kind]}" for p in splits] + ["comm: int"]
+    sig += ["op: str", "factor: float"] if red else []
+    sig += ["event: int"]
+    names = [a.split(":")[0] for a in sig]
+    call = ", ".join(("_reduce_op(op, factor)" if p.kind == _spec.OP else p.name) for p in s.params)
+    mut = tuple(p.name for p in bufs if p.mutable)
+    src += [f"@torch.library.custom_op({ns} + '::{s.name}_', mutates_args={mut!r})",
+            f"def {s.name}_({', '.join(sig)}) -> None:",
+            f"    _launch(lookup_comm(comm).{s.name}({call}, event >= 0), event)",
+            "",
+            f"@{s.name}_.register_fake",
+            f"def _({', '.join(names)}):",
+            "    return None",
+            ""]
+    # functional
+    fargs = ["input: _Tensor"] + [f"{p.name}: int" for p in ranks] + [f"{p.name}: {_ANN[p.kind]}" for p in splits]
+    fargs += ["comm: int"] + (["op: str", "factor: float"] if red else [])
+    shape = s.functional_shape
+    if shape in ("gather", "scatter"):
+        fargs.append("world_size: int")
+    fnames = [a.split(":")[0] for a in fargs]
+    get = "_check_size(lookup_comm(comm), world_size)" if shape in ("gather", "scatter") else "lookup_comm(comm)"
+    fcall = ", ".join("out" if p.mutable else "inp" if p.is_buffer else
+                      "_reduce_op(op, factor)" if p.kind == _spec.OP else p.name for p in s.params)
+    src += [f"@torch.library.custom_op({ns} + '::{s.name}', mutates_args=())",
+            f"def {s.name}_functional({', '.join(fargs)}) -> _Tensor:",
+            f"    c = {get}",
+            "    inp = input.contiguous()",
+            f"    out = {_RESULT[shape]}",  # type: ignore[index]
+            f"    c.{s.name}({fcall})",
+            "    return out",
+            "",
+            f"@{s.name}_functional.register_fake",
+            f"def _({', '.join(fnames)}):",
+            f"    return {_FAKE[shape]}",  # type: ignore[index]
+            ""]
+    # traced wrapper (what streamcoll.<name> is while compiling)
+    wsig = _spec.signature_text(s, group=True).replace(", *,", ",")
+    opargs = ", ".join([p.name for p in bufs] + [p.name for p in ranks]
+                       + [f"_lst({p.name})" for p in splits] + ["cid"] + (["name", "factor"] if red else []))
+    ts = "[" + ", ".join(p.name for p in sorted(bufs, key=lambda p: not p.mutable)) + "]"
+    src += [f"def {s.name}({wsig}):",
+            f'    """``streamcoll.{s.name}`` as custom ops (what it does under torch.compile)."""',
+            f"    _no_stream(stream, {s.name!r})",
+            "    cid = comm_id(group)"]
+    if red:
+        src += ["    name, factor = _op_name(op), _op_factor(op)"]
+    src += ["    if not async_op:",
+            f"        torch.ops.streamcoll.{s.name}_({opargs}, -1)",
+            "        return None",
+            f"    ts = {ts}",
+            "    ev, cur, cs = _start(cid, ts)",
+            f"    torch.ops.streamcoll.{s.name}_({opargs}, ev)",
+            "    return TracedWork(ts, ev, cs, cur)",
+            ""]
+    # public functional wrapper
+    pub = ["input"] + [f"{p.name}={p.default!r}" if p.default is not _spec.REQUIRED else p.name
+                       for p in s.params if not p.is_buffer and p.kind != _spec.OP] \
+        + (["op=_SUM"] if red else []) + ["group=None"]
+    pargs = ", ".join(["input"] + [p.name for p in ranks] + [f"_lst({p.name})" for p in splits] + ["comm_id(group)"]
+                      + (["_op_name(op)", "_op_factor(op)"] if red else [])
+                      + (["_comm_size(group)"] if shape in ("gather", "scatter") else []))
+    src += [f"def functional_{s.name}({', '.join(pub)}):",
+            f'    """A new tensor: the result of {s.name} of ``input`` across ranks (inputs untouched)."""',
+            f"    return torch.ops.streamcoll.{s.name}({pargs})",
+            ""]
+    return "\n".join(src), [f"{s.name}_", f"{s.name}_functional"]
 
 
-@torch.library.custom_op(f"{_NS}::all_gather_into_tensor_", mutates_args=("output",))
-def all_gather_into_tensor_(output: _Tensor, input: _Tensor, comm: int, event: int) -> None:
-    _launch(lookup_comm(comm).all_gather_into_tensor(output, input, event >= 0), event)
+def _lst(x: Any) -> Optional[List[int]]:
+    return None if x is None else list(x)
 
 
-@all_gather_into_tensor_.register_fake
-def _(output, input, comm, event):
-    return None
+def _install() -> None:
+    import linecache
+    g = globals()
+    for name, s in _spec.TABLE.items():
+        if not s.compiled or name == "barrier":
+            continue
+        src, ops = _sources(s)
+        filename = f"<streamcoll generated custom ops {name}>"
+        linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+        exec(compile(src, filename, "exec"), g)
+        SIDE_EFFECT_OPS.extend(g[o] for o in ops)
+        __all__.extend([name, f"functional_{name}"])
 
 
-@torch.library.custom_op(f"{_NS}::reduce_scatter_tensor_", mutates_args=("output",))
-def reduce_scatter_tensor_(output: _Tensor, input: _Tensor, comm: int, op: str, factor: float, event: int) -> None:
-    _launch(lookup_comm(comm).reduce_scatter_tensor(output, input, _reduce_op(op, factor), event >= 0), event)
-
-
-@reduce_scatter_tensor_.register_fake
-def _(output, input, comm, op, factor, event):
-    return None
-
-
-@torch.library.custom_op(f"{_NS}::all_to_all_single_", mutates_args=("output",))
-def all_to_all_single_(output: _Tensor, input: _Tensor, output_split_sizes: Optional[List[int]],
-                       input_split_sizes: Optional[List[int]], comm: int, event: int) -> None:
-    _launch(lookup_comm(comm).all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                                event >= 0), event)
-
-
-@all_to_all_single_.register_fake
-def _(output, input, output_split_sizes, input_split_sizes, comm, event):
-    return None
+_SUM = ReduceOp.SUM
+_install()
 
 
 @torch.library.custom_op(f"{_NS}::barrier", mutates_args=())
@@ -277,110 +361,7 @@ def _(comm):
     return None
 
 
-# Functional variants: new tensors out, inputs untouched (synchronous).
-@torch.library.custom_op(f"{_NS}::all_reduce", mutates_args=())
-def all_reduce_functional(input: _Tensor, comm: int, op: str, factor: float) -> _Tensor:
-    out = input.clone(memory_format=torch.contiguous_format)
-    lookup_comm(comm).all_reduce(out, _reduce_op(op, factor))
-    return out
-
-
-@all_reduce_functional.register_fake
-def _(input, comm, op, factor):
-    return torch.empty_like(input, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op(f"{_NS}::broadcast", mutates_args=())
-def broadcast_functional(input: _Tensor, src: int, comm: int) -> _Tensor:
-    out = input.clone(memory_format=torch.contiguous_format)
-    lookup_comm(comm).broadcast(out, src)
-    return out
-
-
-@broadcast_functional.register_fake
-def _(input, src, comm):
-    return torch.empty_like(input, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op(f"{_NS}::reduce", mutates_args=())
-def reduce_functional(input: _Tensor, dst: int, comm: int, op: str, factor: float) -> _Tensor:
-    out = input.clone(memory_format=torch.contiguous_format)
-    lookup_comm(comm).reduce(out, dst, _reduce_op(op, factor))
-    return out
-
-
-@reduce_functional.register_fake
-def _(input, dst, comm, op, factor):
-    return torch.empty_like(input, memory_format=torch.contiguous_format)
-
-
-def _gather_shape(input: _Tensor, world_size: int) -> List[int]:
-    shape = list(input.shape)
-    if not shape:
-        return [world_size]
-    shape[0] = shape[0] * world_size
-    return shape
-
-
-@torch.library.custom_op(f"{_NS}::all_gather_into_tensor", mutates_args=())
-def all_gather_into_tensor_functional(input: _Tensor, comm: int, world_size: int) -> _Tensor:
-    c = lookup_comm(comm)
-    if c.size != world_size:
-        raise RuntimeError(f"world_size: traced for {world_size} ranks, communicator has {c.size}")
-    inp = input.contiguous()
-    out = inp.new_empty(_gather_shape(inp, world_size))
-    c.all_gather_into_tensor(out, inp)
-    return out
-
-
-@all_gather_into_tensor_functional.register_fake
-def _(input, comm, world_size):
-    return input.new_empty(_gather_shape(input, world_size))
-
-
-def _scatter_shape(input: _Tensor, world_size: int) -> List[int]:
-    shape = list(input.shape)
-    if not shape or shape[0] % world_size:
-        raise ValueError(f"input: dim 0 of shape {tuple(input.shape)} must divide by world size {world_size}")
-    shape[0] //= world_size
-    return shape
-
-
-@torch.library.custom_op(f"{_NS}::reduce_scatter_tensor", mutates_args=())
-def reduce_scatter_tensor_functional(input: _Tensor, comm: int, op: str, factor: float, world_size: int) -> _Tensor:
-    c = lookup_comm(comm)
-    if c.size != world_size:
-        raise RuntimeError(f"world_size: traced for {world_size} ranks, communicator has {c.size}")
-    inp = input.contiguous()
-    out = inp.new_empty(_scatter_shape(inp, world_size))
-    c.reduce_scatter_tensor(out, inp, _reduce_op(op, factor))
-    return out
-
-
-@reduce_scatter_tensor_functional.register_fake
-def _(input, comm, op, factor, world_size):
-    return input.new_empty(_scatter_shape(input, world_size))
-
-
-def _a2a_shape(input: _Tensor, output_split_sizes: Optional[List[int]]) -> List[int]:
-    shape = list(input.shape)
-    if output_split_sizes is not None and shape:
-        shape[0] = sum(output_split_sizes)
-    return shape
-
-
-@torch.library.custom_op(f"{_NS}::all_to_all_single", mutates_args=())
-def all_to_all_single_functional(input: _Tensor, output_split_sizes: Optional[List[int]],
-                                 input_split_sizes: Optional[List[int]], comm: int) -> _Tensor:
-    inp = input.contiguous()
-    out = inp.new_empty(_a2a_shape(inp, output_split_sizes))
-    lookup_comm(comm).all_to_all_single(out, inp, output_split_sizes, input_split_sizes)
-    return out
-
-
-@all_to_all_single_functional.register_fake
-def _(input, output_split_sizes, input_split_sizes, comm):
-    return input.new_empty(_a2a_shape(input, output_split_sizes))
+SIDE_EFFECT_OPS.append(barrier_op)
 
 
 # Stream fork/join: pass-through ops that declare a mutation of everything
@@ -429,10 +410,7 @@ def _(tensors, event, from_stream, to_stream):
 # barrier, a broadcast into a scratch buffer) must still run on every rank, so
 # no graph pass may dead-code-eliminate these ops (for the mutating ones this
 # also covers their auto_functionalized form).
-for _op in (all_reduce_, broadcast_, reduce_, all_gather_into_tensor_, reduce_scatter_tensor_,
-            all_to_all_single_, barrier_op, all_reduce_functional, broadcast_functional, reduce_functional,
-            all_gather_into_tensor_functional, reduce_scatter_tensor_functional, all_to_all_single_functional,
-            fork_, join_):
+for _op in SIDE_EFFECT_OPS + [fork_, join_]:
     torch.fx.node.has_side_effect(_op._opoverload)
 del _op
 
@@ -479,125 +457,9 @@ def _start(cid: int, tensors: List[_Tensor]) -> Tuple[int, int, int]:
     return new_event_slot(), cur, cs
 
 
-def all_reduce(tensor: _Tensor, op: Any = ReduceOp.SUM, group: Optional[Communicator] = None,
-               async_op: bool = False, stream: Any = None) -> Optional[TracedWork]:
-    """``streamcoll.all_reduce`` as custom ops (what it does under torch.compile)."""
-    _no_stream(stream, "all_reduce")
-    cid = comm_id(group)
-    name, factor = _op_name(op), _op_factor(op)
-    if not async_op:
-        torch.ops.streamcoll.all_reduce_(tensor, cid, name, factor, -1)
-        return None
-    ev, cur, cs = _start(cid, [tensor])
-    torch.ops.streamcoll.all_reduce_(tensor, cid, name, factor, ev)
-    return TracedWork([tensor], ev, cs, cur)
-
-
-def broadcast(tensor: _Tensor, src: int = 0, group: Optional[Communicator] = None,
-              async_op: bool = False, stream: Any = None) -> Optional[TracedWork]:
-    _no_stream(stream, "broadcast")
-    cid = comm_id(group)
-    if not async_op:
-        torch.ops.streamcoll.broadcast_(tensor, src, cid, -1)
-        return None
-    ev, cur, cs = _start(cid, [tensor])
-    torch.ops.streamcoll.broadcast_(tensor, src, cid, ev)
-    return TracedWork([tensor], ev, cs, cur)
-
-
-def reduce(tensor: _Tensor, dst: int = 0, op: Any = ReduceOp.SUM, group: Optional[Communicator] = None,
-           async_op: bool = False, stream: Any = None) -> Optional[TracedWork]:
-    _no_stream(stream, "reduce")
-    cid = comm_id(group)
-    name, factor = _op_name(op), _op_factor(op)
-    if not async_op:
-        torch.ops.streamcoll.reduce_(tensor, dst, cid, name, factor, -1)
-        return None
-    ev, cur, cs = _start(cid, [tensor])
-    torch.ops.streamcoll.reduce_(tensor, dst, cid, name, factor, ev)
-    return TracedWork([tensor], ev, cs, cur)
-
-
-def all_gather_into_tensor(output_tensor: _Tensor, input_tensor: _Tensor, group: Optional[Communicator] = None,
-                           async_op: bool = False, stream: Any = None) -> Optional[TracedWork]:
-    _no_stream(stream, "all_gather_into_tensor")
-    cid = comm_id(group)
-    if not async_op:
-        torch.ops.streamcoll.all_gather_into_tensor_(output_tensor, input_tensor, cid, -1)
-        return None
-    ts = [output_tensor, input_tensor]
-    ev, cur, cs = _start(cid, ts)
-    torch.ops.streamcoll.all_gather_into_tensor_(output_tensor, input_tensor, cid, ev)
-    return TracedWork(ts, ev, cs, cur)
-
-
-def reduce_scatter_tensor(output: _Tensor, input: _Tensor, op: Any = ReduceOp.SUM,
-                          group: Optional[Communicator] = None, async_op: bool = False,
-                          stream: Any = None) -> Optional[TracedWork]:
-    _no_stream(stream, "reduce_scatter_tensor")
-    cid = comm_id(group)
-    name, factor = _op_name(op), _op_factor(op)
-    if not async_op:
-        torch.ops.streamcoll.reduce_scatter_tensor_(output, input, cid, name, factor, -1)
-        return None
-    ts = [output, input]
-    ev, cur, cs = _start(cid, ts)
-    torch.ops.streamcoll.reduce_scatter_tensor_(output, input, cid, name, factor, ev)
-    return TracedWork(ts, ev, cs, cur)
-
-
-def all_to_all_single(output: _Tensor, input: _Tensor, output_split_sizes: Optional[Sequence[int]] = None,
-                      input_split_sizes: Optional[Sequence[int]] = None, group: Optional[Communicator] = None,
-                      async_op: bool = False, stream: Any = None) -> Optional[TracedWork]:
-    _no_stream(stream, "all_to_all_single")
-    cid = comm_id(group)
-    osz = None if output_split_sizes is None else list(output_split_sizes)
-    isz = None if input_split_sizes is None else list(input_split_sizes)
-    if not async_op:
-        torch.ops.streamcoll.all_to_all_single_(output, input, osz, isz, cid, -1)
-        return None
-    ts = [output, input]
-    ev, cur, cs = _start(cid, ts)
-    torch.ops.streamcoll.all_to_all_single_(output, input, osz, isz, cid, ev)
-    return TracedWork(ts, ev, cs, cur)
-
-
 def barrier(group: Optional[Communicator] = None, async_op: bool = False, device_ids: Any = None) -> None:
     """Inside a compiled region barrier is synchronous (``async_op`` is ignored)."""
     torch.ops.streamcoll.barrier(comm_id(group))
     return None
 
 
-# Public functional API (also usable eagerly): new tensors, inputs untouched.
-def functional_all_reduce(input: _Tensor, op: Any = ReduceOp.SUM, group: Optional[Communicator] = None) -> _Tensor:
-    """A new tensor holding the reduction of ``input`` across ranks."""
-    return torch.ops.streamcoll.all_reduce(input, comm_id(group), _op_name(op), _op_factor(op))
-
-
-def functional_broadcast(input: _Tensor, src: int = 0, group: Optional[Communicator] = None) -> _Tensor:
-    return torch.ops.streamcoll.broadcast(input, src, comm_id(group))
-
-
-def functional_reduce(input: _Tensor, dst: int = 0, op: Any = ReduceOp.SUM,
-                      group: Optional[Communicator] = None) -> _Tensor:
-    return torch.ops.streamcoll.reduce(input, dst, comm_id(group), _op_name(op), _op_factor(op))
-
-
-def functional_all_gather_into_tensor(input: _Tensor, group: Optional[Communicator] = None) -> _Tensor:
-    """Every rank's ``input`` concatenated on dim 0, in rank order."""
-    return torch.ops.streamcoll.all_gather_into_tensor(input, comm_id(group), _comm_size(group))
-
-
-def functional_reduce_scatter_tensor(input: _Tensor, op: Any = ReduceOp.SUM,
-                                     group: Optional[Communicator] = None) -> _Tensor:
-    """Block ``rank`` (on dim 0) of the reduction of ``input`` across ranks."""
-    return torch.ops.streamcoll.reduce_scatter_tensor(input, comm_id(group), _op_name(op), _op_factor(op),
-                                                      _comm_size(group))
-
-
-def functional_all_to_all_single(input: _Tensor, output_split_sizes: Optional[Sequence[int]] = None,
-                                 input_split_sizes: Optional[Sequence[int]] = None,
-                                 group: Optional[Communicator] = None) -> _Tensor:
-    osz = None if output_split_sizes is None else list(output_split_sizes)
-    isz = None if input_split_sizes is None else list(input_split_sizes)
-    return torch.ops.streamcoll.all_to_all_single(input, osz, isz, comm_id(group))
