@@ -26,6 +26,7 @@ streamcoll does not implement raise NotImplementedError naming them.
 """
 from __future__ import annotations
 
+import re
 import threading
 import warnings
 from datetime import timedelta
@@ -187,12 +188,10 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         return self._work(launch(self._async(opts)), outputs, op)
 
     # -- collectives --------------------------------------------------------
-    def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> StreamcollWork:
-        if opts is None or isinstance(opts, dist.ReduceOp):
-            opts = _opts_from(opts)
-        t = self._one(tensors, "tensors")
-        c = self._comm(t, "tensors[0]")
-        return self._run(c, "allreduce", [t], opts, lambda a: c.all_reduce(t, opts.reduceOp, a))
+    # allreduce, broadcast, reduce, allgather, all_gather_single, reduce_scatter,
+    # reduce_scatter_single, all_to_all_single, alltoall, gather, scatter, send,
+    # recv: generated from the declarations (``pg``, ``pg_params``, ``pg_map``
+    # in streamcoll.spec), see _install_pg_methods below.
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> StreamcollWork:
         if not tensors:
@@ -201,33 +200,6 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         c = self._comm(tensors[0], "tensors[0]")
         return self._grouped(c, "allreduce_coalesced", list(tensors), opts,
                              [(lambda t=t: c.all_reduce(t, op)) for t in tensors])
-
-    def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> StreamcollWork:
-        t = self._one(tensors, "tensors")
-        c = self._comm(t, "tensors[0]")
-        root = opts.rootRank if opts is not None else 0
-        return self._run(c, "broadcast", [t], opts, lambda a: c.broadcast(t, root, a))
-
-    def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> StreamcollWork:
-        t = self._one(tensors, "tensors")
-        c = self._comm(t, "tensors[0]")
-        root = opts.rootRank if opts is not None else 0
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        return self._run(c, "reduce", [t], opts, lambda a: c.reduce(t, root, op, a))
-
-    def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
-                  opts: Any = None) -> StreamcollWork:
-        t = self._one(input_tensors, "input_tensors")
-        outs = self._one(output_tensors, "output_tensors")
-        c = self._comm(t, "input_tensors[0]")
-        return self._run(c, "allgather", list(outs), opts, lambda a: c.all_gather(outs, t, a))
-
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> StreamcollWork:
-        c = self._comm(input, "input")
-        return self._run(c, "all_gather_single", [output], opts,
-                         lambda a: c.all_gather_into_tensor(output, input, a))
-
-    _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                     opts: Any = None) -> StreamcollWork:
@@ -238,22 +210,6 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
                              [(lambda o=o, i=i: c.all_gather_into_tensor(o, i)) for o, i in zip(outputs, inputs)])
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
-
-    def reduce_scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],
-                       opts: Any = None) -> StreamcollWork:
-        out = self._one(output_tensors, "output_tensors")
-        ins = self._one(input_tensors, "input_tensors")
-        c = self._comm(out, "output_tensors[0]")
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        return self._run(c, "reduce_scatter", [out], opts, lambda a: c.reduce_scatter(out, ins, op, a))
-
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> StreamcollWork:
-        c = self._comm(input, "input")
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        return self._run(c, "reduce_scatter_single", [output], opts,
-                         lambda a: c.reduce_scatter_tensor(output, input, op, a))
-
-    _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                         opts: Any = None) -> StreamcollWork:
@@ -266,49 +222,8 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: List[int],
-                          input_split_sizes: List[int], opts: Any = None) -> StreamcollWork:
-        c = self._comm(input, "input")
-        osz = list(output_split_sizes) or None  # torch passes [] for "even split"
-        isz = list(input_split_sizes) or None
-        return self._run(c, "all_to_all_single", [output], opts,
-                         lambda a: c.all_to_all_single(output, input, osz, isz, a))
-
-    alltoall_base = all_to_all_single
-
-    def alltoall(self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor],
-                 opts: Any = None) -> StreamcollWork:
-        if not input_tensors:
-            raise ValueError("input_tensors: expected one tensor per rank, got an empty list")
-        c = self._comm(input_tensors[0], "input_tensors[0]")
-        return self._run(c, "alltoall", list(output_tensors), opts,
-                         lambda a: c.all_to_all(output_tensors, input_tensors, a))
-
-    def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
-               opts: Any = None) -> StreamcollWork:
-        t = self._one(input_tensors, "input_tensors")
-        c = self._comm(t, "input_tensors[0]")
-        root = opts.rootRank if opts is not None else 0
-        outs = list(output_tensors[0]) if output_tensors else []
-        return self._run(c, "gather", outs, opts, lambda a: c.gather(t, outs or None, root, a))
-
-    def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],
-                opts: Any = None) -> StreamcollWork:
-        t = self._one(output_tensors, "output_tensors")
-        c = self._comm(t, "output_tensors[0]")
-        root = opts.rootRank if opts is not None else 0
-        ins = list(input_tensors[0]) if input_tensors else []
-        return self._run(c, "scatter", [t], opts, lambda a: c.scatter(t, ins or None, root, a))
-
-    def send(self, tensors: List[torch.Tensor], dstRank: int, tag: int = 0) -> StreamcollWork:
-        t = self._one(tensors, "tensors")
-        c = self._comm(t, "tensors[0]")
-        return self._work(c.isend(t, dstRank, tag), [t], "send")
-
-    def recv(self, tensors: List[torch.Tensor], srcRank: int, tag: int = 0) -> StreamcollWork:
-        t = self._one(tensors, "tensors")
-        c = self._comm(t, "tensors[0]")
-        return self._work(c.irecv(t, srcRank, tag), [t], "recv")
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def barrier(self, opts: Any = None) -> StreamcollWork:
         ids = list(getattr(opts, "device_ids", None) or [])
@@ -372,6 +287,78 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         for c in comms:
             if not c.abort():
                 c.mark_failed(RuntimeError("process group aborted"))
+
+
+def _one(tensors: Any, name: str) -> torch.Tensor:
+    return ProcessGroupStreamcoll._one(tensors, name)
+
+
+def _nonempty(tensors: Any, name: str) -> Any:
+    if not tensors:
+        raise ValueError(f"{name}: expected one tensor per rank, got an empty list")
+    return tensors
+
+
+def _op(opts: Any) -> Any:
+    """The reduction of torch's option object (None: SUM; the allreduce(tensors, op) overload passes the op)."""
+    if opts is None:
+        return dist.ReduceOp.SUM
+    if isinstance(opts, dist.ReduceOp):
+        return opts
+    return opts.reduceOp
+
+
+def _root(opts: Any) -> int:
+    return opts.rootRank if opts is not None else 0
+
+
+def _pg_source(s: Any) -> List[str]:
+    """The ProcessGroup method(s) serving collective ``s``, from its declaration."""
+    m = s.pg_map
+    lines = [f"def {s.pg[0]}(self, {s.pg_params}):"]
+    for p in s.params:
+        if p.name in m:
+            lines.append(f"    {p.name} = {m[p.name]}")
+    # the device: the first input tensor, else the first tensor, else element 0 of the first input list
+    first = next((p for p in s.buffers if p.name in m and p.kind == "tensor" and not p.role == "out"), None) \
+        or next((p for p in s.buffers if p.name in m and p.kind == "tensor"), None) \
+        or next(p for p in s.buffers if p.name in m and p.role == "in")
+    expr = m[first.name]
+    mm = re.match(r"_one\((\w+), '(\w+)'\)", expr)
+    src_name = mm.group(2) if mm else expr.split("(")[-1].split(",")[0].split(")")[0]
+    if first.kind == "tensor":
+        dev, label = first.name, (f"{src_name}[0]" if mm else src_name)
+    else:
+        dev, label = f"{first.name}[0]", f"{src_name}[0]"
+    lines.append(f"    c = self._comm({dev}, {label!r})")
+    outs = " + ".join(f"[{p.name}]" if p.kind == "tensor" else f"list({p.name} or [])"
+                      for p in s.buffers if p.mutable or s.async_mode == "always") or "[]"
+    args = ", ".join(p.name for p in s.params if p.name in m)
+    if s.async_mode == "always":
+        lines.append(f"    return self._work(c.{s.name}({args}), {outs}, {s.pg[0]!r})")
+    else:
+        lines.append(f"    return self._run(c, {s.pg[0]!r}, {outs}, opts, lambda a: c.{s.name}({args}, a))")
+    return lines
+
+
+def _install_pg_methods() -> None:
+    import linecache
+    from . import spec
+    for s in spec.TABLE.values():
+        if not s.pg:
+            continue
+        src = "\n".join(_pg_source(s)) + "\n"
+        filename = f"<streamcoll generated ProcessGroupStreamcoll.{s.pg[0]}>"
+        linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+        ns: Dict[str, Any] = {"_one": _one, "_op": _op, "_root": _root, "_nonempty": _nonempty}
+        exec(compile(src, filename, "exec"), ns)
+        fn = ns[s.pg[0]]
+        fn.__doc__ = f"torch.distributed's {s.pg[0]} on streamcoll's {s.name}."
+        for name in s.pg:
+            setattr(ProcessGroupStreamcoll, name, fn)
+
+
+_install_pg_methods()
 
 
 def _opts_from(op: Any) -> Any:

@@ -122,6 +122,14 @@ class CollectiveSpec:
     functional_shape: Optional[str] = None  # "same", "gather", "scatter", "a2a": the functional op's result
     cross_check: Optional[str] = None       # debug: "single"/"lists" all-to-all count cross-check
     fast: bool = False             # gets a generated per-communicator fast path
+    # The torch.distributed ProcessGroup methods this collective serves
+    # (streamcoll.process_group): their names, their parameter list, and an
+    # expression per parameter of ours in terms of theirs (``opts`` is torch's
+    # option object; ``_one(x, name)`` unwraps a one-tensor list); the first
+    # mapped buffer picks the device.
+    pg: Tuple[str, ...] = ()
+    pg_params: str = ""
+    pg_map: Mapping[str, str] = dataclasses.field(default_factory=dict)
     reference: Optional[Callable[..., Any]] = None
 
     @property
@@ -412,6 +420,8 @@ _SUMOP = ReduceOp.SUM
     c={"nccl": "ncclAllReduce", "oneccl": "onecclAllReduce"},
     send="tensor", recv="tensor", count=("tensor", "numel"), reduces=True,
     compiled=True, functional_shape="same", fast=True, reference=ref_all_reduce,
+    pg=('allreduce',), pg_params='tensors, opts=None',
+    pg_map={'tensor': "_one(tensors, 'tensors')", 'op': '_op(opts)'},
 )
 def _plan_all_reduce(cx: Any, tensor: Any, op: Any) -> Plan:
     return cx.native(TABLE["all_reduce"], {"tensor": tensor, "op": op})
@@ -424,6 +434,8 @@ def _plan_all_reduce(cx: Any, tensor: Any, op: Any) -> Plan:
     c={"nccl": "ncclBroadcast", "oneccl": "onecclBroadcast"},
     send="tensor", recv="tensor", count=("tensor", "numel"), root="src",
     compiled=True, functional_shape="same", fast=True, reference=ref_broadcast,
+    pg=('broadcast',), pg_params='tensors, opts=None',
+    pg_map={'tensor': "_one(tensors, 'tensors')", 'src': '_root(opts)'},
 )
 def _plan_broadcast(cx: Any, tensor: Any, src: Any) -> Plan:
     return cx.native(TABLE["broadcast"], {"tensor": tensor, "src": src})
@@ -436,6 +448,8 @@ def _plan_broadcast(cx: Any, tensor: Any, src: Any) -> Plan:
     c={"nccl": "ncclReduce", "oneccl": "onecclReduce"},
     send="tensor", recv="tensor", count=("tensor", "numel"), root="dst", reduces=True,
     post_on_root_only=True, compiled=True, functional_shape="same", fast=True, reference=ref_reduce,
+    pg=('reduce',), pg_params='tensors, opts=None',
+    pg_map={'tensor': "_one(tensors, 'tensors')", 'dst': '_root(opts)', 'op': '_op(opts)'},
 )
 def _plan_reduce(cx: Any, tensor: Any, dst: Any, op: Any) -> Plan:
     # oneCCL writes the receive buffer on every rank: non-roots get a scratch
@@ -451,6 +465,8 @@ def _plan_reduce(cx: Any, tensor: Any, dst: Any, op: Any) -> Plan:
     send="input_tensor", recv="output_tensor", count=("input_tensor", "numel"),
     sizes=(("output_tensor", "size*", "input_tensor"),),
     compiled=True, functional_shape="gather", fast=True, reference=ref_all_gather_into_tensor,
+    pg=('all_gather_single', '_allgather_base'), pg_params='output, input, opts=None',
+    pg_map={'output_tensor': 'output', 'input_tensor': 'input'},
 )
 def _plan_all_gather_into_tensor(cx: Any, output_tensor: Any, input_tensor: Any) -> Plan:
     return cx.native(TABLE["all_gather_into_tensor"], {"output_tensor": output_tensor, "input_tensor": input_tensor})
@@ -461,6 +477,8 @@ def _plan_all_gather_into_tensor(cx: Any, output_tensor: Any, input_tensor: Any)
     params=(_T("tensor_list", TENSOR_LIST, role="out"), _T("tensor", TENSOR, role="in")),
     doc="Gather every rank's ``tensor`` into ``tensor_list[rank]`` (an all_gather into a flat buffer, then an unpack).",
     c={}, reference=ref_all_gather,
+    pg=('allgather',), pg_params='output_tensors, input_tensors, opts=None',
+    pg_map={'tensor_list': "_one(output_tensors, 'output_tensors')", 'tensor': "_one(input_tensors, 'input_tensors')"},
 )
 def _plan_all_gather(cx: Any, tensor_list: Any, tensor: Any) -> Plan:
     inp = cx.t(tensor, "tensor")
@@ -478,6 +496,8 @@ def _plan_all_gather(cx: Any, tensor_list: Any, tensor: Any) -> Plan:
     c={"nccl": "ncclReduceScatter", "oneccl": "onecclReduceScatter"},
     send="input", recv="output", count=("output", "numel"), sizes=(("input", "size*", "output"),),
     reduces=True, compiled=True, functional_shape="scatter", fast=True, reference=ref_reduce_scatter_tensor,
+    pg=('reduce_scatter_single', '_reduce_scatter_base'), pg_params='output, input, opts=None',
+    pg_map={'output': 'output', 'input': 'input', 'op': '_op(opts)'},
 )
 def _plan_reduce_scatter_tensor(cx: Any, output: Any, input: Any, op: Any) -> Plan:
     return cx.native(TABLE["reduce_scatter_tensor"], {"output": output, "input": input, "op": op})
@@ -488,6 +508,8 @@ def _plan_reduce_scatter_tensor(cx: Any, output: Any, input: Any, op: Any) -> Pl
     params=(_T("output", TENSOR, role="out"), _T("input_list", TENSOR_LIST, role="in"), _T("op", OP, _SUMOP)),
     doc="Reduce the lists across ranks; ``output`` gets the reduction of everyone's ``input_list[rank]``.",
     c={}, reduces=True, reference=ref_reduce_scatter,
+    pg=('reduce_scatter',), pg_params='output_tensors, input_tensors, opts=None',
+    pg_map={'output': "_one(output_tensors, 'output_tensors')", 'input_list': "_one(input_tensors, 'input_tensors')", 'op': '_op(opts)'},
 )
 def _plan_reduce_scatter(cx: Any, output: Any, input_list: Any, op: Any) -> Plan:
     out = cx.t(output, "output")
@@ -506,6 +528,8 @@ def _plan_reduce_scatter(cx: Any, output: Any, input_list: Any, op: Any) -> Plan
     c={"nccl": "ncclAlltoAll", "oneccl": "onecclAllToAll"},
     send="input", recv="output", count=("input", "numel/size"), sizes=(("output", "==", "input"),),
     compiled=True, functional_shape="a2a", cross_check="single", fast=True, reference=ref_all_to_all_single,
+    pg=('all_to_all_single', 'alltoall_base'), pg_params='output, input, output_split_sizes, input_split_sizes, opts=None',
+    pg_map={'output': 'output', 'input': 'input', 'output_split_sizes': 'list(output_split_sizes) or None', 'input_split_sizes': 'list(input_split_sizes) or None'},
 )
 def _plan_all_to_all_single(cx: Any, output: Any, input: Any, output_split_sizes: Any = None,
                             input_split_sizes: Any = None) -> Plan:
@@ -534,6 +558,8 @@ def _plan_all_to_all_single(cx: Any, output: Any, input: Any, output_split_sizes
             _T("input_tensor_list", TENSOR_LIST, role="in", compare="dtype")),
     doc="Send ``input_tensor_list[j]`` to rank j; receive rank j's into ``output_tensor_list[j]`` (grouped Send/Recv).",
     c={}, cross_check="lists", reference=ref_all_to_all,
+    pg=('alltoall',), pg_params='output_tensors, input_tensors, opts=None',
+    pg_map={'output_tensor_list': 'output_tensors', 'input_tensor_list': "_nonempty(input_tensors, 'input_tensors')"},
 )
 def _plan_all_to_all(cx: Any, output_tensor_list: Any, input_tensor_list: Any) -> Plan:
     outs = [cx.t(o, f"output_tensor_list[{i}]") for i, o in
@@ -565,6 +591,8 @@ def _plan_all_to_all(cx: Any, output_tensor_list: Any, input_tensor_list: Any) -
                                                 compare=None), _T("dst", RANK, 0)),
     doc="Gather ``tensor`` of every rank into ``gather_list`` on rank ``dst``.",
     c={"nccl": "ncclGather"}, root="dst", reference=ref_gather,
+    pg=('gather',), pg_params='output_tensors, input_tensors, opts=None',
+    pg_map={'tensor': "_one(input_tensors, 'input_tensors')", 'gather_list': '(list(output_tensors[0]) if output_tensors else []) or None', 'dst': '_root(opts)'},
 )
 def _plan_gather(cx: Any, tensor: Any, gather_list: Any = None, dst: Any = 0) -> Plan:
     t = cx.t(tensor, "tensor")
@@ -596,6 +624,8 @@ def _plan_gather(cx: Any, tensor: Any, gather_list: Any = None, dst: Any = 0) ->
                                                  compare=None), _T("src", RANK, 0)),
     doc="Scatter ``scatter_list`` of rank ``src``: rank i receives element i into ``tensor``.",
     c={"nccl": "ncclScatter", "oneccl": "onecclScatter"}, root="src", reference=ref_scatter,
+    pg=('scatter',), pg_params='output_tensors, input_tensors, opts=None',
+    pg_map={'tensor': "_one(output_tensors, 'output_tensors')", 'scatter_list': '(list(input_tensors[0]) if input_tensors else []) or None', 'src': '_root(opts)'},
 )
 def _plan_scatter(cx: Any, tensor: Any, scatter_list: Any = None, src: Any = 0) -> Plan:
     t = cx.t(tensor, "tensor")
@@ -637,6 +667,9 @@ for _name, _kind, _peer, _mode, _ret, _doc in (
         doc=_doc, c={"nccl": "nccl" + _kind.capitalize(), "oneccl": "oneccl" + _kind.capitalize()},
         send="tensor" if _kind == "send" else None, recv="tensor" if _kind == "recv" else None,
         count=("tensor", "numel"), async_mode=_mode, returns=_ret, p2p=True, fast=_mode == "never",
+        **({} if _mode != "always" else {
+            "pg": (_kind,), "pg_params": f"tensors, {_peer}Rank, tag=0",
+            "pg_map": {"tensor": "_one(tensors, 'tensors')", _peer: f"{_peer}Rank", "tag": "tag"}}),
     )(_p2p_planner(_kind, _peer))
 
 

@@ -155,10 +155,12 @@ def test_overhead_benchmark_runs(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rec = json.loads(out.read_text())
     res = rec["results"]
-    assert set(res) >= {"raw", "streamcoll.all_reduce", "comm.all_reduce",
-                        "all_reduce(async_op=True).wait()", "torch.distributed.all_reduce"}
-    assert res["raw"]["ratio_to_raw"] == 1.0
+    four = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
+    assert set(res) >= {f"{n}/{v}" for n in four for v in ("raw", "streamcoll", "comm", "torch.distributed")} \
+        | {"all_reduce/async+wait"}
+    for n in four:
+        assert res[f"{n}/raw"]["ratio_to_raw"] == 1.0
+        assert set(rec["ratios"][n]) == {"streamcoll / raw", "comm / raw", "torch.distributed / streamcoll"}
     for v in res.values():
         assert 0 < v["time_us"]["min"] <= v["time_us"]["median"] <= v["time_us"]["max"]
-    assert set(rec["targets"]) == {"streamcoll.all_reduce / raw", "torch.distributed / streamcoll.all_reduce"}
-    assert "(b) streamcoll.all_reduce(t)" in p.stdout
+    assert "broadcast: streamcoll.broadcast" in p.stdout
