@@ -30,6 +30,7 @@ and the flight recorder the communicator owns (:attr:`flight`).
 from __future__ import annotations
 
 import contextlib
+import linecache
 import dataclasses
 import os
 import threading
@@ -578,7 +579,8 @@ class Communicator:
             plans = [p for _, p in ops]
             posts = [p.post for p in plans if p.post is not None]
             calls = [(p.fn, p.args, p.cname) for p in plans]
-            plan = Plan(self._cx.group(calls), (), (lambda: [p() for p in posts]) if posts else None,
+            fn, args = self._cx.group(calls)
+            plan = Plan(fn, args, (lambda: [p() for p in posts]) if posts else None,
                         tuple(t for p in plans for t in p.keep), tuple(t for p in plans for t in p.outputs),
                         "group_end", any(p.p2p for p in plans))
             handle.work = self._launch("coalesced", plan, async_op, None)
@@ -680,7 +682,6 @@ def _method_source(s: _spec.CollectiveSpec) -> str:
 
 
 def _install_methods() -> None:
-    import linecache
     for name, s in _spec.TABLE.items():
         src = _method_source(s)
         filename = f"<streamcoll generated Communicator.{name}>"

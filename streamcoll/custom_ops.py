@@ -41,6 +41,7 @@ region.
 """
 from __future__ import annotations
 
+import linecache
 import threading
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
@@ -334,7 +335,6 @@ def _lst(x: Any) -> Optional[List[int]]:
 
 
 def _install() -> None:
-    import linecache
     g = globals()
     for name, s in _spec.TABLE.items():
         if not s.compiled or name == "barrier":

@@ -37,6 +37,7 @@ from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import spec
+from .ops import canonical_op
 from .errors import CollectiveTimeout, MismatchError
 
 __all__ = ["enable", "disable", "is_enabled", "maybe_install", "CHECKED"]
@@ -78,7 +79,6 @@ def _dtype(x: Any) -> str:
 def _value(name: str, x: Any, exact: bool) -> Any:
     if name == "op":
         try:
-            from .ops import canonical_op
             n, f = canonical_op(x)
             return n if n != "PREMUL_SUM" else f"PREMUL_SUM({f:g})"
         except Exception:

@@ -31,6 +31,26 @@ def _declarations(name: str) -> str:
     return read_declarations(name)
 
 
+def _run_group(gs: Callable[[], int], ge: Callable[[], int], calls: Sequence[Tuple[Callable[..., int], tuple, str]],
+               comm: Any, h: Any) -> int:
+    """A composed C call: ``calls`` between GroupStart and GroupEnd on stream
+    ``h``; the first failing call raises (after GroupEnd, which must pair)."""
+    rc = gs()
+    if rc:
+        comm._raise_rc("group_start", rc)
+    err = None
+    for f, args, cname in calls:
+        rc = f(*args, h)
+        if rc and err is None:
+            err = (cname, rc)
+    rc = ge()
+    if err is not None:
+        comm._raise_rc(*err)
+    if rc:
+        comm._raise_rc("group_end", rc)
+    return 0
+
+
 class PlanContext:
     """What a planner sees of its communicator."""
 
@@ -245,29 +265,10 @@ class PlanContext:
         f = self.c[kind]
         return Plan(f, (self.vp(t), t.numel(), d, peer, self.handle), None, (t,), (t,), kind, True)
 
-    def group(self, fns: Sequence[Tuple[Callable[..., int], tuple, str]]) -> Callable[..., int]:
-        """One group launch (GroupStart/GroupEnd) of ``(fn, args, cname)``
-        calls: a composed C call taking the stream, raising on failure."""
-        gs, ge = self.c["group_start"], self.c["group_end"]
-        comm = self.comm
-
-        def grouped(h: Any) -> int:
-            rc = gs()
-            if rc:
-                comm._raise_rc("group_start", rc)
-            err = None
-            for f, args, cname in fns:
-                rc = f(*args, h)
-                if rc and err is None:
-                    err = (cname, rc)
-            rc = ge()
-            if err is not None:
-                comm._raise_rc(*err)
-            if rc:
-                comm._raise_rc("group_end", rc)
-            return 0
-
-        return grouped
+    def group(self, calls: Sequence[Tuple[Callable[..., int], tuple, str]]) -> Tuple[Callable[..., int], tuple]:
+        """``(fn, args)`` of one group launch (GroupStart/GroupEnd) of
+        ``(fn, args, cname)`` calls, for a Plan: ``fn(*args, stream)``."""
+        return _run_group, (self.c["group_start"], self.c["group_end"], tuple(calls), self.comm)
 
     def p2p_group(self, sends: Sequence[tuple], recvs: Sequence[tuple], post: Optional[Callable[[], Any]],
                   keep: tuple, outputs: tuple, name: str = "p2p_group") -> Plan:
@@ -275,7 +276,8 @@ class PlanContext:
         fs, fr, h = self.c["send"], self.c["recv"], self.handle
         calls = [(fs, (p, c, d, peer, h), "send") for p, c, peer, d in sends]
         calls += [(fr, (p, c, d, peer, h), "recv") for p, c, peer, d in recvs]
-        return Plan(self.group(calls), (), post, keep, outputs, name)
+        fn, args = self.group(calls)
+        return Plan(fn, args, post, keep, outputs, name)
 
     def alltoallv(self, inp: torch.Tensor, out: torch.Tensor, send: List[int], recv: List[int], d: int) -> Plan:
         f = self.c.get("all_to_all_v")

@@ -26,6 +26,7 @@ streamcoll does not implement raise NotImplementedError naming them.
 """
 from __future__ import annotations
 
+import linecache
 import re
 import threading
 import warnings
@@ -35,6 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import spec
 from .communicator import Communicator
 
 __all__ = ["ProcessGroupStreamcoll", "StreamcollWork", "create_process_group", "register_backend", "BACKEND_NAME"]
@@ -342,8 +344,6 @@ def _pg_source(s: Any) -> List[str]:
 
 
 def _install_pg_methods() -> None:
-    import linecache
-    from . import spec
     for s in spec.TABLE.values():
         if not s.pg:
             continue

@@ -30,6 +30,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from .errors import CommunicatorError
+
 __all__ = ["Runtime", "CpuRuntime", "CudaRuntime", "XpuRuntime", "Lane", "runtime_for"]
 
 
@@ -205,7 +207,6 @@ class CpuRuntime(Runtime):
     def _enqueue(self, item: _Item) -> None:
         with self._cond:
             if self._closed:
-                from .errors import CommunicatorError
                 raise CommunicatorError("the communicator's comm thread has been stopped")
             self._queue.append(item)
             self._pending += 1
