@@ -185,11 +185,15 @@ class Backend:
             cfg.plugin = self.binding.const("onecclPluginAny")
         return cfg
 
-    def split(self, comm, color: int, key: int):
+    def split(self, comm, color: int, key: int, in_progress_ok: bool = False):
+        """``ncclCommSplit``/``onecclCommSplit``; ``in_progress_ok``: a
+        non-blocking parent's child may still be initialising (the caller polls)."""
         ffi = self.ffi
         new = ffi.new(self.comm_type + " *")
         fname = self.funcs["split"]
         rc = getattr(self.lib(), fname)(comm, color, key, new, ffi.NULL)
+        if rc and in_progress_ok and self.name == "nccl" and rc == self.binding.const("ncclInProgress"):
+            return new[0]
         if rc:
             raise self.binding.error(fname, rc, comm)
         return new[0]

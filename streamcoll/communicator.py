@@ -30,6 +30,7 @@ and the flight recorder the communicator owns (:attr:`flight`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import linecache
 import dataclasses
 import os
@@ -55,7 +56,7 @@ from .spec import Plan
 from .streams import Lane, runtime_for
 from .work import REAPER, Work
 
-__all__ = ["Communicator", "P2POp", "LaunchRecord", "HookHandle"]
+__all__ = ["Communicator", "P2POp", "LaunchRecord", "HookHandle", "communicator_by_id"]
 
 _now = time.monotonic_ns
 _wref = weakref.ref
@@ -120,6 +121,13 @@ class HookHandle:
 
 
 _LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+_BY_ID: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
+_IDS = itertools.count(1)
+
+
+def communicator_by_id(cid: int) -> Optional["Communicator"]:
+    """The live communicator with ``Communicator.id == cid``, or None."""
+    return _BY_ID.get(cid)
 
 
 def _after_fork_in_child() -> None:
@@ -176,6 +184,8 @@ class Communicator:
         self._store = store
         self.name = name
         self._pid = os.getpid()
+        self.id = next(_IDS)  # what compiled code receives for this communicator (an int)
+        _BY_ID[self.id] = self
         self._forked = False
         self._seq = 0
         self._p2p = 0
@@ -544,17 +554,31 @@ class Communicator:
         else:
             # GPU: poll on a helper thread (the future completes when the GPU work has).
             def _poll(w: Work = work) -> None:
-                rt.synchronize(w._event, None)
+                try:
+                    if self._dev_type == "cuda" and self._dev_index is not None:
+                        torch.cuda.set_device(self._dev_index)  # not a context on GPU 0 of every rank
+                    rt.synchronize(w._event, None)
+                except BaseException as e:  # the future must complete, or its waiters hang
+                    fut = w._future
+                    if fut is not None and not fut.done():
+                        fut.set_exception(e)
+                    return
                 w._set_future()
             threading.Thread(target=_poll, daemon=True, name="streamcoll-future").start()
 
     def comm_stream(self, current: Any = None) -> Any:
-        """The comm stream (lane) serving the caller's current stream, creating it if needed."""
+        """The comm stream serving ``current`` (a stream of this device;
+        default: the caller's current stream), creating it if needed: what
+        ``async_op=True`` launches on while ``current`` is the current stream."""
         rt = self._rt
-        key = rt.current_key() if current is None else current
+        if current is None or not self._gpu:
+            key = rt.current_key() if current is None else current
+            stream = None
+        else:
+            key, stream = rt.stream_handle(current), current
         lane = self._lanes.get(key)
         if lane is None:
-            lane = self._lanes[key] = rt.new_lane(key)
+            lane = self._lanes[key] = rt.new_lane(key, stream)
         return lane.stream
 
     @contextlib.contextmanager
@@ -625,14 +649,20 @@ class Communicator:
                         "Pass keys in parent-rank order (or equal keys)."
                     )
         new_rank = [r for _, r in members].index(self._rank) if c >= 0 else 0
-        newh = self._backend.split(self._handle, c, new_rank)
+        newh = self._backend.split(self._handle, c, new_rank, in_progress_ok=self.nonblocking)
         if c < 0:
             return None
-        return Communicator(
+        child = Communicator(
             self._backend, self._device, newh, new_rank, len(members),
             self.timeout if timeout is None else timeout, self.record_stream, self._store,
             name=f"{self.name}/split{c}",
         )
+        if self.nonblocking:
+            # the child inherits blocking=0: ncclCommSplit may return while it initialises
+            from .watchdog import make_nonblocking, nccl_wait_ready
+            nccl_wait_ready(self._backend, newh, child.timeout, "split", new_rank, len(members))
+            make_nonblocking(child)
+        return child
 
 
 # split is checked by debug mode like a collective (every rank calls it).

@@ -13,7 +13,7 @@ microseconds to every collective.
 
 What reaches the graph are integers and strings, never Python objects:
 
-- a communicator by its id in a registry (:func:`comm_id`; id 0 is "the
+- a communicator by its ``id`` (:func:`comm_id`; id 0 is "the
   default communicator at run time"),
 - a reduction as ``(op name, factor)``,
 - a stream by its index in a lookup table (:func:`stream_index`), and an
@@ -43,14 +43,13 @@ from __future__ import annotations
 
 import linecache
 import threading
-import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from . import bootstrap
 from . import spec as _spec
-from .communicator import Communicator
+from .communicator import Communicator, communicator_by_id
 from .ops import PreMulSum, ReduceOp, canonical_op
 
 __all__ = [
@@ -76,43 +75,38 @@ def assume_constant_result(fn):
 # ---------------------------------------------------------------- registries
 DEFAULT_COMM = 0  # id resolved to bootstrap's default communicator at run time
 
-_COMMS: Dict[int, "weakref.ref[Communicator]"] = {}
-_COMM_IDS: "weakref.WeakKeyDictionary[Communicator, int]" = weakref.WeakKeyDictionary()
-
-
-@assume_constant_result
 def comm_id(group: Optional[Communicator]) -> int:
-    """The registry id of ``group`` (0 for None: the default communicator,
-    looked up when the op runs). Under Dynamo this runs at trace time and the
-    id is baked into the graph (guarded on the group object's identity)."""
+    """The id of ``group`` (0 for None: the default communicator, looked up
+    when the op runs). Every Communicator has an integer ``id`` from birth,
+    so under Dynamo this is an attribute read of the group (guarded on its
+    identity) and compiled code receives an int: torch 2.11's Dynamo cannot
+    pass a user object to a constant-result function (it calls
+    ``as_python_constant()`` on it); 2.13 can. Works on both."""
     if group is None:
         return DEFAULT_COMM
     if not isinstance(group, Communicator):
         raise TypeError(f"group: expected a streamcoll.Communicator or None, got {type(group).__name__}")
-    with _LOCK:
-        i = _COMM_IDS.get(group)
-        if i is None:
-            i = len(_COMMS) + 1
-            _COMMS[i] = weakref.ref(group)
-            _COMM_IDS[group] = i
-        return i
+    return group.id
 
 
 def lookup_comm(cid: int) -> Communicator:
-    """The communicator behind a registry id (raises if it is gone)."""
+    """The communicator behind an id (raises if it is gone)."""
     if cid == DEFAULT_COMM:
         return bootstrap.default_communicator()
-    ref = _COMMS.get(cid)
-    c = None if ref is None else ref()
+    c = communicator_by_id(cid)
     if c is None:
         raise RuntimeError(f"comm: streamcoll communicator id {cid} is not registered or was garbage-collected")
     return c
 
 
 @assume_constant_result
+def _default_size() -> int:
+    return bootstrap.default_communicator().size
+
+
 def _comm_size(group: Optional[Communicator]) -> int:
     """World size at trace time (the fake implementations need it for shapes)."""
-    return (bootstrap.default_communicator() if group is None else group).size
+    return _default_size() if group is None else group.size
 
 
 class StreamRef:

@@ -77,7 +77,8 @@ class Runtime:
     def stream_handle(self, stream: Any) -> Any:
         raise NotImplementedError
 
-    def new_lane(self, key: Any) -> Lane:
+    def new_lane(self, key: Any, current: Any = None) -> Lane:
+        """The comm stream for key ``key``, serving stream ``current`` (default: the current one)."""
         raise NotImplementedError
 
     # launching ------------------------------------------------------------
@@ -196,7 +197,7 @@ class CpuRuntime(Runtime):
     def stream_handle(self, stream):
         return None
 
-    def new_lane(self, key) -> Lane:
+    def new_lane(self, key, current: Any = None) -> Lane:
         return Lane(key, self, key, self._null, None)
 
     def submit(self, lane: Lane, runner, plan, entry) -> _Item:
@@ -322,9 +323,11 @@ class _TorchGpuRuntime(Runtime):
         super().__init__(device, native)
         self.index = device.index if device.index is not None else self.mod.current_device()
 
-    def new_lane(self, key) -> Lane:
+    def new_lane(self, key, current: Any = None) -> Lane:
+        """A comm stream serving ``current`` (default: the caller's current stream)."""
         mod = self.mod
-        current = mod.current_stream(self.index)
+        if current is None:
+            current = mod.current_stream(self.index)
         stream = mod.Stream(device=self.index)
         ready = mod.Event()
         return Lane(key, stream, current, self.native(self.stream_handle(stream)), ready)

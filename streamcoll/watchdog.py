@@ -227,11 +227,13 @@ class Watchdog:
             fr = comm.flight
             limit = comm.timeout + GRACE_S
             hung = None
-            # A synchronous call in flight: the oldest sync entry after the last that returned.
-            # Its start is not recorded (hot path); its age counts from when it was first seen.
+            # A synchronous call in flight: a sync entry after the last that returned. An inline
+            # call holds the exec lock, so nothing is issued after it: it is the newest entry, and
+            # the scan goes newest first (after many async ops the oldest unfinished ones are
+            # async). Its start is not recorded (hot path); its age counts from when it was first seen.
             running = None
             last = comm.seq
-            for sq in range(fr.done + 1, min(last, fr.done + SCAN) + 1):
+            for sq in range(last, max(fr.done, last - SCAN), -1):
                 e = fr.at(sq)
                 if e is not None and e.sync and sq not in fr.errors:
                     running = e
@@ -259,6 +261,7 @@ class Watchdog:
                     else:
                         if st == flight.COMPLETED and e.state == flight.LAUNCHED:
                             e.state = flight.COMPLETED  # no need to query it again
+                            e.event = None
                         continue
                     if age > limit:
                         hung = (e, age)

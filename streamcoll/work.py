@@ -61,7 +61,9 @@ class Reaper:
                 try:
                     done = e[0].query()
                 except Exception:
-                    done = True
+                    # e.g. queried during a CUDA graph capture: unknown is not done;
+                    # dropping the tensors could hand memory the GPU still uses to the allocator
+                    done = False
                 if done:
                     e[1] = None
                 else:
@@ -188,12 +190,16 @@ class Work:
 
     def __del__(self) -> None:
         # No C calls here: only hand the completion event back to its lane's
-        # pool (a GPU event may be re-recorded while pending; a later record
-        # simply supersedes it).
+        # pool, unless the flight entry of this op still holds it (GPU: the
+        # watchdog polls it; reusing it would make the entry track a later op
+        # with this one's start time). Such an event is freed with its entry.
         try:
             ev = self._event
             if ev is not None:
                 self._event = None
+                e = self._comm._flight.at(self.seq)
+                if e is not None and e.event is ev:
+                    return  # its flight entry still watches it: a re-record would make the entry track a later op
                 self._rt.release_event(self._lane, ev)
         except Exception:
             pass

@@ -300,3 +300,29 @@ def test_every_collective_of_the_table_matches_its_reference(world, async_op):
             for op in (["SUM", "MAX", "AVG"] if s.reduces else ["SUM"])}
     for r in res:
         assert set(r) == want
+
+
+@needs_oneccl
+def test_watchdog_sees_a_stuck_sync_call_after_many_async_ops(monkeypatch, capfd):
+    """Issue 12 (11): after more than 256 async operations the watchdog must
+    still see a synchronous call that does not return (it scans newest first)."""
+    import time
+    from streamcoll.spec import Plan
+    monkeypatch.setenv("STREAMCOLL_WATCHDOG", "fail")
+    c = _comm(name="wd-scan", timeout=1.0)
+    try:
+        t = torch.ones(2)
+        for _ in range(300):
+            c.all_reduce(t, async_op=True)
+        c.all_reduce(t, async_op=True).wait()
+
+        def stuck(h):  # where the C call would hang
+            time.sleep(3.5)
+            return 0
+
+        c._launch("broadcast", Plan(stuck, (), None, (t,), (t,), "broadcast"), False, None)
+        assert isinstance(c.failure, streamcoll.CollectiveTimeout), c.failure
+        assert "broadcast" in str(c.failure) and "302" in str(c.failure)
+        assert "streamcoll watchdog: broadcast (sequence number 302)" in capfd.readouterr().err
+    finally:
+        c.destroy()
