@@ -334,6 +334,21 @@ class Communicator:
         if self._failed is None or replace:
             self._failed = exc
         self._refresh_fast_paths()
+        # Async work still in flight failed with it: its Work raises even if the
+        # stream later runs it to its end (an aborted NCCL communicator's
+        # results, or work queued behind a stuck call, are not to be trusted).
+        fr = self._flight
+        for e in fr.recent(self._seq, fr.capacity):
+            if e.sync or e.state not in (_flight.ENQUEUED, _flight.RUNNING, _flight.LAUNCHED):
+                continue
+            if e.state == _flight.LAUNCHED and e.event is not None:
+                try:
+                    if e.event.query():
+                        continue  # it had finished
+                except Exception:
+                    pass
+            e.state = _flight.FAILED
+            e.error = e.error or f"communicator failed while it was in flight: {self._failed}"
 
     def _pre(self, spec: _spec.CollectiveSpec, args: tuple, async_op: bool) -> None:
         rec = LaunchRecord(self, spec, dict(zip(spec.param_names, args)), bool(async_op))
@@ -497,7 +512,8 @@ class Communicator:
         finally:
             fr.inflight = None
         e.t_end = _now()
-        e.state = _flight.COMPLETED
+        if e.state == _flight.RUNNING:  # not failed meanwhile (mark_failed)
+            e.state = _flight.COMPLETED
 
     def _execute_device(self, plan: Plan, e: FlightEntry, h: Any) -> None:
         """Launch a plan on a GPU comm stream (completion is the event's)."""

@@ -150,10 +150,12 @@ class Work:
         self._release()
 
     def _raise_if_failed(self) -> None:
-        """Unfinished work of a failed communicator raises at once instead of
-        waiting again for a call that cannot complete (issue 7)."""
-        if not self._rt.query(self._event):
-            comm = self._comm
+        """Work of a failed communicator that was unfinished when it failed
+        raises at once instead of waiting again for a call that cannot
+        complete (issue 7), also once the stream ran it after all (issue 12)."""
+        comm = self._comm
+        e = comm.flight.at(self.seq)
+        if (e is not None and e.state == "failed") or not self._rt.query(self._event):
             raise CommunicatorError(
                 f"{self.op} (sequence number {self.seq}) cannot complete: communicator {comm.name!r} "
                 f"failed earlier: {comm._failed}") from comm._failed

@@ -112,26 +112,83 @@ def test_no_use_after_free(comm, record_stream):
 
 
 def test_stash_releases_after_wait_and_reaper(comm):
+    """The stash itself holds the input: an input-only tensor (not among the
+    Work's outputs) dropped by the caller stays allocated until wait()."""
     torch.cuda.synchronize()
+    out = torch.empty(1 << 22, device="cuda")
     base = torch.cuda.memory_allocated()
     x = torch.ones(1 << 22, device="cuda")
-    w = comm.all_reduce(x, async_op=True)
+    w = comm.all_gather_into_tensor(out, x, async_op=True)
+    assert all(o is not x for o in w.result())
     del x
     held = torch.cuda.memory_allocated()
-    assert held >= base + (1 << 22) * 4, "the Work must hold the tensor until waited"
+    assert held >= base + (1 << 22) * 4, "the Work's stash must hold the input until waited"
     w.wait()
     del w
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= base + 4096
     # Never waited: the reaper drops it once the completion event fired.
     y = torch.ones(1 << 22, device="cuda")
-    w2 = comm.all_reduce(y, async_op=True)
+    w2 = comm.all_gather_into_tensor(out, y, async_op=True)
     del y
     torch.cuda.synchronize()
     from streamcoll.work import REAPER
     REAPER.reap()
-    del w2
     assert torch.cuda.memory_allocated() <= base + 4096
+    del w2
+
+
+def test_async_with_an_explicit_stream_raises(comm):
+    x = torch.ones(16, device="cuda")
+    with pytest.raises(ValueError, match="stream"):
+        comm.all_reduce(x, async_op=True, stream=torch.cuda.Stream())
+
+
+def test_comm_stream_for_another_stream_serves_it(comm):
+    s = torch.cuda.Stream()
+    cs = comm.comm_stream(s)
+    with torch.cuda.stream(s):
+        assert comm.comm_stream() is cs  # the lane made for s is the one s's async calls use
+        inp = torch.zeros(1 << 20, device="cuda")
+        out = torch.empty(1 << 20, device="cuda")
+        _sleep_then_fill(inp, 4.0)
+        comm.all_gather_into_tensor(out, inp, async_op=True).wait()
+        res = out.clone()
+    s.synchronize()
+    assert torch.all(res == 4.0)
+
+
+def test_sync_fast_path_enters_one_frame_on_cuda(comm):
+    import sys
+    x = torch.ones(16, device="cuda")
+    comm.all_reduce(x)
+    n = 0
+
+    def prof(frame, event, arg):
+        nonlocal n
+        n += event == "call"
+    sys.setprofile(prof)
+    try:
+        comm.all_reduce(x)
+    finally:
+        sys.setprofile(None)
+    torch.cuda.synchronize()
+    assert n == 1 and torch.all(x == 1.0)
+
+
+def test_functional_ops_compile_with_a_communicator_group(comm):
+    """Issue 12 (1): compiled code gets the communicator as an int id (torch
+    2.11's Dynamo cannot pass a user object to a constant-result function)."""
+    from streamcoll import custom_ops
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(x):
+        y = custom_ops.functional_all_reduce(x, group=comm)
+        streamcoll.all_reduce(y, group=comm)
+        return custom_ops.functional_all_gather_into_tensor(y, group=comm)
+
+    x = torch.arange(8, dtype=torch.float32, device="cuda")
+    assert torch.equal(f(x), x)
 
 
 def test_graph_capture_and_replay(comm):

@@ -326,3 +326,34 @@ def test_watchdog_sees_a_stuck_sync_call_after_many_async_ops(monkeypatch, capfd
         assert "streamcoll watchdog: broadcast (sequence number 302)" in capfd.readouterr().err
     finally:
         c.destroy()
+
+
+@needs_oneccl
+def test_work_in_flight_when_the_communicator_failed_raises_after_it_completes(monkeypatch):
+    """Issue 12 (2): a Work unfinished when its communicator failed raises on
+    wait() even once its call ran to the end (as after ncclCommAbort and a
+    synchronize on a GPU); one that had completed before does not."""
+    import time
+    from streamcoll.spec import Plan
+    monkeypatch.setenv("STREAMCOLL_WATCHDOG", "off")
+    c = _comm(name="failed-inflight")
+    try:
+        t = torch.ones(2)
+        done = c.all_reduce(t, async_op=True)
+        done.synchronize()
+
+        def slow(h):
+            time.sleep(1.0)
+            return 0
+
+        w = c._launch("broadcast", Plan(slow, (), None, (t,), (t,), "broadcast"), True, None)
+        time.sleep(0.2)
+        c.mark_failed(RuntimeError("injected failure"))
+        time.sleep(1.5)  # the call has ended by now
+        assert w.is_completed()
+        with pytest.raises(streamcoll.CommunicatorError, match="injected failure"):
+            w.wait()
+        assert done.wait()  # finished before the failure
+        assert c.flight.at(w.seq).state == "failed"
+    finally:
+        c.destroy()
