@@ -1,0 +1,33 @@
+"""The first GPU run is one prepared script (issue 12): its dry run, here
+without a GPU, downloads what must travel (cffi and pycparser wheels for
+the GPU machine's Python 3.12), checks that the cuda tests and the benchmark
+it runs are present (at least 12 cuda tests) and prints the plan; its real
+run refuses cleanly without a GPU."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_gpu_check_dry_run_passes_here():
+    p = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "dry run: everything the GPU run needs is present" in p.stdout
+    n = int(p.stdout.split("cuda tests collected: ")[1].split()[0])
+    assert n >= 12
+    wheels = os.listdir(os.path.join(ROOT, ".whl"))
+    assert any(w.startswith("cffi-") and "cp312" in w for w in wheels)
+    assert any(w.startswith("pycparser-") for w in wheels)
+
+
+def test_gpu_check_without_a_gpu_says_so(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        return  # the real run is for the GPU machine (scripts/gpu_check.sh --out DIR)
+    p = subprocess.run(["bash", "scripts/gpu_check.sh", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 1
+    assert "no CUDA GPU here" in (tmp_path / "summary.txt").read_text()
