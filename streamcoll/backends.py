@@ -236,12 +236,13 @@ def get_backend(name: str) -> Backend:
     b = _BACKENDS.get(name)
     if b is not None:
         return b
+    binding: Binding
     if name == "nccl":
-        from ._ffi.nccl import NCCL as binding
-        prefix = "nccl"
+        from ._ffi.nccl import NCCL
+        binding, prefix = NCCL, "nccl"
     elif name in ("oneccl", "ccl", "xccl"):
-        from ._ffi.oneccl import ONECCL as binding
-        prefix, name = "oneccl", "oneccl"
+        from ._ffi.oneccl import ONECCL
+        binding, prefix, name = ONECCL, "oneccl", "oneccl"
     else:
         raise ValueError(f"backend: expected 'nccl' or 'oneccl', got {name!r}")
     b = _BACKENDS[name] = Backend(name, binding, prefix)

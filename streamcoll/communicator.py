@@ -46,6 +46,7 @@ import torch
 from . import debug as _debug
 from . import recorder as _flight
 from . import spec as _spec
+from ._methods import CollectiveMethods
 from .backends import Backend
 from .errors import CollectiveTimeout, CommunicatorError
 from .recorder import FlightEntry
@@ -147,7 +148,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class Communicator:
+class Communicator(CollectiveMethods):
     """A communicator over ``size`` ranks on one device.
 
     Made by :func:`streamcoll.init` (or :meth:`split`); methods have the names,
@@ -475,10 +476,10 @@ class Communicator:
         rt = self._rt
         try:
             seq, e = self._new_async_entry(name, plan)
-            item = rt.submit(None, self._execute_host, plan, e)
+            item = rt.submit(None, self._execute_host, plan, e)  # type: ignore[arg-type]  # CPU: no lane
         finally:
             rt.exec_lock.release()
-        rt._wait_item(item, None)
+        rt._wait_item(item, None)  # type: ignore[attr-defined]  # only the CPU runtime queues
         if item.exc is not None:
             raise item.exc
         return None
@@ -606,7 +607,8 @@ class Communicator:
         if self._coalescing is not None:
             raise RuntimeError("coalescing() blocks do not nest")
         handle = _Coalesced()
-        self._coalescing = ops = []
+        ops: List[tuple] = []
+        self._coalescing = ops
         self._coalescing_thread = threading.get_ident()
         self._refresh_fast_paths()
         try:

@@ -168,10 +168,11 @@ def _compare(fps: List[dict], size: int) -> Tuple[Optional[str], List[int]]:
         return "ranks disagree: " + "; ".join(parts), sorted(odd)
     counts = [fp.get("_counts") for fp in fps]
     if counts and all(c is not None for c in counts):
-        bad, pairs = [], set()
+        bad: List[str] = []
+        pairs: set = set()
         for i in range(size):
             for j in range(size):
-                sent, expected = counts[i][0][j], counts[j][1][i]
+                sent, expected = counts[i][0][j], counts[j][1][i]  # type: ignore[index]
                 if sent != expected:
                     bad.append(f"rank {i} sends {sent} elements to rank {j}, which expects {expected}")
                     pairs.update((i, j))

@@ -161,4 +161,8 @@ class CollectiveTimeout(CommunicatorError, TimeoutError):
 
 
 class MismatchError(CollectiveError):
-    """Ranks called different collectives (debug mode's cross-rank check)."""
+    """Ranks called different collectives (debug mode's cross-rank check).
+    ``ranks``: the ranks that differ; ``calls``: every rank's call."""
+
+    ranks: list = []
+    calls: list = []

@@ -212,6 +212,7 @@ class PlanContext:
         for p in spec.buffers:
             ts[p.name] = self.t(a[p.name], nm.get(p.name, p.name))
         send_name = spec.send or spec.recv
+        assert send_name is not None, f"{spec.name}: a native collective declares its buffers"
         send = ts[send_name]
         for p in spec.buffers:
             if p.name != send_name:

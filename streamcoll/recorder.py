@@ -186,9 +186,10 @@ class FlightRecorder:
 def _read(r: Any) -> dict:
     """Shapes and dtypes of tensors given as weak references or directly."""
     items = (r,) if type(r) is wref else (r or ())
-    shapes, dtypes = [], []
+    shapes: List[Optional[List[int]]] = []
+    dtypes: List[Optional[str]] = []
     for x in items:
-        t = x() if type(x) is wref else x
+        t: Any = x() if type(x) is wref else x
         try:
             shapes.append(list(t.shape))
             dtypes.append(str(t.dtype).replace("torch.", ""))

@@ -54,6 +54,7 @@ class Runtime:
     """What the launch strategies need from a device type."""
 
     device_type = ""
+    mod: Any = None  # torch.cuda / torch.xpu for the GPU runtimes
 
     def __init__(self, device: torch.device, native: Callable[[Any], Any]) -> None:
         self.device = device
@@ -136,8 +137,9 @@ class Runtime:
     def is_capturing(self) -> bool:
         return False
 
-    def close(self, timeout: Optional[float] = None) -> None:
-        pass
+    def close(self, timeout: Optional[float] = None) -> bool:
+        """Stop serving; False if queued work did not finish within ``timeout``."""
+        return True
 
 
 # ---------------------------------------------------------------- CPU ----
@@ -316,8 +318,6 @@ class CpuRuntime(Runtime):
 # --------------------------------------------------------------- CUDA ----
 class _TorchGpuRuntime(Runtime):
     """Shared by CUDA and XPU: torch streams and events."""
-
-    mod: Any = None  # torch.cuda or torch.xpu
 
     def __init__(self, device: torch.device, native) -> None:
         super().__init__(device, native)

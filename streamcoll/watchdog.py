@@ -407,7 +407,7 @@ def nccl_wait_ready(backend: Any, handle: Any, timeout: Optional[float], what: s
                 lib.ncclCommAbort(handle)
             except Exception:
                 pass
-            raise CollectiveTimeout(what, 0, float(timeout), [], rank, size,
+            raise CollectiveTimeout(what, 0, float(timeout or 0.0), [], rank, size,
                                     "the non-blocking NCCL communicator stayed ncclInProgress; it was aborted "
                                     "(ncclCommAbort). Check that every rank started and can reach the others")
         time.sleep(pause)

@@ -29,7 +29,7 @@ import os
 import sys
 import time
 import timeit
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List
 
 from .machine import cpu_snapshot, cpu_usage, describe, loadavg, summary_line
 from .metrics import Stats
@@ -116,7 +116,12 @@ def _variants(comm, t, baseline: bool, collectives=COLLECTIVES) -> Dict[str, Cal
 
     out["empty loop"] = empty
     if sync is not None:
-        out = {k: (lambda fn: (lambda n: (fn(n), sync())))(v) for k, v in out.items()}
+        def synced(fn: Callable[[int], None]) -> Callable[[int], None]:
+            def run(n: int) -> None:
+                fn(n)
+                sync()
+            return run
+        out = {k: synced(v) for k, v in out.items()}
     return out
 
 
@@ -134,7 +139,7 @@ CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 
 def run(device: str = "cpu", calls: int = 1000, reps: int = 21, baseline: bool = True,
         warmup: int = 200, threshold: float = 1.5, clock: str = "wall",
-        collectives=COLLECTIVES) -> Dict[str, object]:
+        collectives=COLLECTIVES) -> Dict[str, Any]:
     """Time every variant; returns the JSON record.
 
     ``clock="process"`` counts the CPU time of all the process's threads
@@ -151,8 +156,8 @@ def run(device: str = "cpu", calls: int = 1000, reps: int = 21, baseline: bool =
     samples: Dict[str, List[float]] = {k: [] for k in names}
     pc = CLOCKS[clock]
     for r in range(reps):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:  # rotate the order every repetition
+        j = r % len(names)
+        for name in names[j:] + names[:j]:  # rotate the order every repetition
             fn = variants[name]
             t0 = pc()
             fn(calls)
@@ -161,12 +166,12 @@ def run(device: str = "cpu", calls: int = 1000, reps: int = 21, baseline: bool =
     if float(t.item()) != 3.0:
         raise AssertionError(f"a collective at world size 1 changed the value: 3.0 -> {t.item()}")
     stats = {k: Stats(v, threshold) for k, v in samples.items()}
-    results = {}
+    results: Dict[str, Dict[str, Any]] = {}
     for k, st in stats.items():
         raw = stats[k.split("/")[0] + "/raw"].median if "/" in k else stats[f"{collectives[0]}/raw"].median
         results[k] = {"label": _label(k), "time_us": st.as_us(), "ratio_to_raw": st.median / raw,
                       "spread": st.spread, "noisy": st.noisy}
-    rec: Dict[str, object] = {
+    rec: Dict[str, Any] = {
         "device": device, "backend": comm.backend, "calls": calls, "reps": reps, "clock": clock,
         "tensor": {"numel": 1, "dtype": "float32"}, "results": results,
     }
@@ -245,7 +250,7 @@ def profile(comm, t, calls: int = 20000, top: int = 15) -> str:
     return s.getvalue()
 
 
-def format_table(rec: Dict[str, object]) -> str:
+def format_table(rec: Dict[str, Any]) -> str:
     lines = [f"per-call overhead, world size 1, 1-element float32, device {rec['device']} "
              f"({rec['backend']}); median of {rec['reps']} x {rec['calls']} calls, {rec['clock']} clock",
              f"{'variant':58s} {'median us':>10s} {'min us':>8s} {'max us':>8s} {'x raw':>7s}"]

@@ -1,0 +1,52 @@
+"""Types to the edge (issue 15): the stubs of the generated API are derived
+from the table and up to date, and user code type-checks with the
+``@overload``s on ``async_op`` (``Literal[True]`` -> Work, ``False`` -> None)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_stubs_are_generated_from_the_table_and_up_to_date():
+    from streamcoll import _stubgen, spec
+    p = subprocess.run([sys.executable, "-m", "streamcoll._stubgen", "--check"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    text = _stubgen.stubs()["collectives.pyi"]
+    for name in spec.TABLE:
+        assert f"def {name}(" in text
+
+
+USER = '''
+import torch
+import streamcoll as dist
+
+t = torch.ones(4)
+dist.init()
+work = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True)
+work.wait()
+none = dist.all_reduce(t)
+c = dist.default_communicator()
+w2 = c.all_gather_into_tensor(torch.empty(8), t, True)
+w2.wait()
+src: int = c.recv(t, 0)
+ws = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, 1)])
+ws[0].wait()
+reveal_type(none)
+'''
+
+
+def test_user_code_type_checks_with_the_overloads(tmp_path):
+    pytest.importorskip("mypy")
+    f = tmp_path / "user.py"
+    f.write_text(textwrap.dedent(USER))
+    p = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(tmp_path / "cache"),
+                        "--no-error-summary", str(f)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    mine = [line for line in p.stdout.splitlines() if line.startswith(str(f))]
+    assert mine == [f'{f}:16: note: Revealed type is "None"'], p.stdout[-3000:]
