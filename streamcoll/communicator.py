@@ -561,7 +561,7 @@ class Communicator(CollectiveMethods):
             if self.record_stream:
                 rt.keep_alive(plan.keep, lane)
             else:
-                stash = REAPER.add(ev, plan.keep)
+                stash = REAPER.add(ev, plan.keep, self._dev_index if self._dev_type == "cuda" else None)
         return Work(self, rt, lane, ev, seq, name, plan.outputs, stash)
 
     def _complete_future_when_done(self, work: Work) -> None:

@@ -384,7 +384,12 @@ class CudaRuntime(_TorchGpuRuntime):
         return stream.cuda_stream
 
     def is_capturing(self) -> bool:
-        return torch.cuda.is_current_stream_capturing()
+        """Whether this communicator's device's current stream is capturing
+        (not the current device's: they differ on a multi-GPU host)."""
+        if torch.cuda.current_device() == self.index:
+            return torch.cuda.is_current_stream_capturing()
+        with torch.cuda.device(self.index):
+            return torch.cuda.is_current_stream_capturing()
 
 
 class XpuRuntime(_TorchGpuRuntime):

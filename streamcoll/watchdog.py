@@ -227,6 +227,12 @@ class Watchdog:
             fr = comm.flight
             limit = comm.timeout + GRACE_S
             hung = None
+            if comm.is_gpu and comm.device.type == "cuda":
+                _use_device(comm.device.index)
+                err = _nccl_async_error(comm)
+                if err is not None:
+                    self._fire_error(comm, err)
+                    continue
             # A synchronous call in flight: a sync entry after the last that returned. An inline
             # call holds the exec lock, so nothing is issued after it: it is the newest entry, and
             # the scan goes newest first (after many async ops the oldest unfinished ones are
@@ -317,6 +323,30 @@ class Watchdog:
         elif not comm._gpu:
             skip_native_teardown()
 
+    def _fire_error(self, comm: Any, err: BaseException) -> None:
+        """An NCCL communicator reported an asynchronous error (a kernel failed
+        or a peer died): the same handling as a hang, naming the error."""
+        m = mode()
+        comm.mark_failed(err)
+        path = _dump_quietly(comm, f"watchdog: asynchronous error {err}")
+        msg = (f"\nstreamcoll watchdog: communicator {comm.name!r} ({comm.device}) on rank {comm.rank} of "
+               f"{comm.size} reported an asynchronous error: {err}\n  Flight record: {path}\n"
+               f"  What to do: {_what_to_do(comm)}.")
+        if m == "exit":
+            msg += f"\n  Ending this process now with exit code {EXIT_CODE}."
+        self.fired.append(msg)
+        try:
+            sys.stderr.write(msg + "\n")
+            sys.stderr.flush()
+        except Exception:
+            pass
+        try:
+            comm.abort()
+        except Exception:
+            pass
+        if m == "exit":
+            _exit_now()
+
     def _fire_guard(self, what: str, timeout: float, detail: str, age: float) -> None:
         msg = (f"\nstreamcoll watchdog: {what} has not completed after {age:.1f} s (timeout {timeout:g} s)"
                + (f"; {detail}" if detail else "")
@@ -347,6 +377,34 @@ class Watchdog:
             yield
         finally:
             self._guards.pop(key, None)
+
+
+def _use_device(index: Optional[int]) -> None:
+    """The watchdog thread's CUDA calls go to the communicator's GPU (a
+    thread that never set a device makes a context on GPU 0: ~0.5 GiB each)."""
+    if index is None:
+        return
+    import torch
+    if torch.cuda.current_device() != index:
+        torch.cuda.set_device(index)
+
+
+def _nccl_async_error(comm: Any) -> Optional[BaseException]:
+    """``ncclCommGetAsyncError`` of a live NCCL communicator: the error a
+    synchronous GPU collective hit after its host call returned (those are
+    otherwise invisible here: their flight entries completed at launch)."""
+    b = comm._backend
+    if b.name != "nccl" or comm.destroyed or comm.failure is not None or comm._handle is None:
+        return None
+    ffi, lib = b.ffi, b.lib()
+    state = ffi.new("ncclResult_t *")
+    rc = lib.ncclCommGetAsyncError(comm._handle, state)
+    if rc:
+        return b.binding.error("ncclCommGetAsyncError", rc, comm._handle)
+    s = int(state[0])
+    if s == 0 or s == b.binding.const("ncclInProgress"):
+        return None
+    return b.binding.error("asynchronous error (ncclCommGetAsyncError)", s, comm._handle)
 
 
 def _exit_now(code: int = EXIT_CODE) -> None:

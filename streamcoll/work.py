@@ -39,8 +39,8 @@ class Reaper:
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
 
-    def add(self, event: Any, tensors: Any) -> list:
-        entry = [event, tensors]
+    def add(self, event: Any, tensors: Any, device: Optional[int] = None) -> list:
+        entry = [event, tensors, device]
         with self._lock:
             self._entries.append(entry)
             if self._thread is None:
@@ -59,6 +59,9 @@ class Reaper:
                 if e[1] is None:
                     continue
                 try:
+                    if e[2] is not None and e[2] != _current_cuda_device():
+                        # this thread's queries go to the event's own GPU, not a new context on GPU 0
+                        torch.cuda.set_device(e[2])
                     done = e[0].query()
                 except Exception:
                     # e.g. queried during a CUDA graph capture: unknown is not done;
@@ -76,6 +79,10 @@ class Reaper:
             time.sleep(self.interval)
             if self._entries:
                 self.reap()
+
+
+def _current_cuda_device() -> int:
+    return torch.cuda.current_device()
 
 
 REAPER = Reaper()
