@@ -329,6 +329,21 @@ def _same_list(cx: Any, ref: Any, refname: str, lst: Any, name: str, n: int, wha
     return outs
 
 
+def _rooted(cx: Any, opname: str, tensor: Any, lst: Any, lname: str, root: Any, rname: str,
+            role: str) -> Tuple[Any, int, int, List[Any]]:
+    """Checks of a rooted list collective (gather, scatter): the tensor, the
+    root, the dtype, and the list (one tensor like ``tensor`` per rank on the
+    root; None or [] elsewhere). Returns (tensor, root, C dtype, list)."""
+    t = cx.t(tensor, "tensor")
+    r = cx.check_rank(root, rname)
+    d = cx.dtype(t, opname)
+    if cx.rank == r:
+        return t, r, d, _same_list(cx, t, "tensor", lst, lname, t.numel(), "tensor")
+    if lst:
+        raise ValueError(f"{lname}: expected None or [] on non-{role} rank {cx.rank} ({rname} is {r})")
+    return t, r, d, []
+
+
 # ------------------------------------------------------- reference semantics
 # Reference implementations: ``ref(size, rank, inputs, **args)`` where
 # ``inputs[r]`` is what rank r passed (numpy arrays; lists for list buffers)
@@ -595,16 +610,8 @@ def _plan_all_to_all(cx: Any, output_tensor_list: Any, input_tensor_list: Any) -
     pg_map={'tensor': "_one(input_tensors, 'input_tensors')", 'gather_list': '(list(output_tensors[0]) if output_tensors else []) or None', 'dst': '_root(opts)'},
 )
 def _plan_gather(cx: Any, tensor: Any, gather_list: Any = None, dst: Any = 0) -> Plan:
-    t = cx.t(tensor, "tensor")
-    dst = cx.check_rank(dst, "dst")
-    d = cx.dtype(t, "gather")
+    t, dst, d, outs = _rooted(cx, "gather", tensor, gather_list, "gather_list", dst, "dst", "destination")
     me, n = cx.rank, t.numel()
-    if me == dst:
-        outs = _same_list(cx, t, "tensor", gather_list, "gather_list", n, "tensor")
-    else:
-        if gather_list:
-            raise ValueError(f"gather_list: expected None or [] on non-destination rank {me} (dst is {dst})")
-        outs = []
     f = cx.cfunc("gather")
     if f is not None:  # NCCL >= 2.28: one native call into a flat buffer on the root
         flat = t.new_empty((n * cx.size,)) if me == dst else t
@@ -628,16 +635,8 @@ def _plan_gather(cx: Any, tensor: Any, gather_list: Any = None, dst: Any = 0) ->
     pg_map={'tensor': "_one(output_tensors, 'output_tensors')", 'scatter_list': '(list(input_tensors[0]) if input_tensors else []) or None', 'src': '_root(opts)'},
 )
 def _plan_scatter(cx: Any, tensor: Any, scatter_list: Any = None, src: Any = 0) -> Plan:
-    t = cx.t(tensor, "tensor")
-    src = cx.check_rank(src, "src")
-    d = cx.dtype(t, "scatter")
+    t, src, d, ins = _rooted(cx, "scatter", tensor, scatter_list, "scatter_list", src, "src", "source")
     me, n = cx.rank, t.numel()
-    if me == src:
-        ins = _same_list(cx, t, "tensor", scatter_list, "scatter_list", n, "tensor")
-    else:
-        if scatter_list:
-            raise ValueError(f"scatter_list: expected None or [] on non-source rank {me} (src is {src})")
-        ins = []
     f = cx.cfunc("scatter")
     if f is not None:  # oneCCL, NCCL >= 2.28: one native call from a flat buffer on the root
         flat = cx.torch.cat([x.reshape(-1) for x in ins]) if me == src else t

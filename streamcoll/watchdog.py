@@ -306,13 +306,20 @@ class Watchdog:
         else:
             lines.append("  The communicator is marked failed: its later calls raise at once "
                          "(STREAMCOLL_WATCHDOG=fail).")
-        msg = "\n".join(lines)
+        self._end(comm, "\n".join(lines), m)
+
+    def _announce(self, msg: str) -> None:
         self.fired.append(msg)
         try:
             sys.stderr.write(msg + "\n")
             sys.stderr.flush()
         except Exception:
             pass
+
+    def _end(self, comm: Any, msg: str, m: str) -> None:
+        """Say what happened, abort an NCCL communicator, then end the process
+        (``exit``) or make its exit safe (``fail``)."""
+        self._announce(msg)
         if comm._backend.name == "nccl":
             try:
                 comm.abort()
@@ -334,30 +341,14 @@ class Watchdog:
                f"  What to do: {_what_to_do(comm)}.")
         if m == "exit":
             msg += f"\n  Ending this process now with exit code {EXIT_CODE}."
-        self.fired.append(msg)
-        try:
-            sys.stderr.write(msg + "\n")
-            sys.stderr.flush()
-        except Exception:
-            pass
-        try:
-            comm.abort()
-        except Exception:
-            pass
-        if m == "exit":
-            _exit_now()
+        self._end(comm, msg, m)
 
     def _fire_guard(self, what: str, timeout: float, detail: str, age: float) -> None:
         msg = (f"\nstreamcoll watchdog: {what} has not completed after {age:.1f} s (timeout {timeout:g} s)"
                + (f"; {detail}" if detail else "")
                + ".\n  Likely cause: another rank did not start, died, or uses a different address/port."
                + (f"\n  Ending this process now with exit code {EXIT_CODE}." if mode() == "exit" else ""))
-        self.fired.append(msg)
-        try:
-            sys.stderr.write(msg + "\n")
-            sys.stderr.flush()
-        except Exception:
-            pass
+        self._announce(msg)
         if mode() == "exit":
             _exit_now()
 
