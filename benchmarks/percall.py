@@ -5,7 +5,9 @@ a pure-Python busy wait of D us (a stand-in for wrapper work of known cost),
 tensor. If host work between calls added only its own duration, the
 ``raw+D`` rows would be ``raw + D`` at every world size; how much more they
 cost at 2 ranks is what lockstep (every call waits for the slower rank)
-adds to any wrapper, streamcoll's included.
+adds to any wrapper, streamcoll's included. Under mpiexec the same is done
+around an MPI all-reduce (mpi4py), which tells whether the amplification is
+lockstep's (MPI shows it too) or oneCCL's.
 
     python benchmarks/percall.py                                  # world size 1
     .venv-mpi/bin/mpiexec -n 2 -bind-to none .venv-mpi/bin/python benchmarks/percall.py
@@ -38,16 +40,17 @@ def main(argv=None) -> int:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("CCL_KVS_IFACE", "lo")
-    if "MASTER_PORT" not in os.environ:
-        if os.environ["WORLD_SIZE"] != "1":
-            from mpi4py import MPI  # under mpiexec: agree on a port (loaded before oneCCL, see bench.mpi)
+    mpi_comm = None
+    if bench_mpi.launched_by_mpi() is not None:
+        # MPI first, before oneCCL is loaded (see streamcoll.bench.mpi).
+        mpi_comm, why = bench_mpi.open_world(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+        if mpi_comm is not None and "MASTER_PORT" not in os.environ:
             import socket
             s = socket.socket()
             s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(MPI.COMM_WORLD.bcast(s.getsockname()[1], root=0))
+            os.environ["MASTER_PORT"] = str(mpi_comm.bcast(s.getsockname()[1], root=0))
             s.close()
-        else:
-            os.environ["MASTER_PORT"] = "0"
+    os.environ.setdefault("MASTER_PORT", "0")
     import torch
     import streamcoll
     from streamcoll.bench.cases import Context, make_case
@@ -62,11 +65,11 @@ def main(argv=None) -> int:
     raw = case.raw()
     pc = time.perf_counter
 
-    def spin(us: float) -> Callable[[], None]:
+    def spin(call: Callable[[], None], us: float) -> Callable[[], None]:
         d = us * 1e-6
 
         def f():
-            raw()
+            call()
             end = pc() + d
             while pc() < end:
                 pass
@@ -74,7 +77,13 @@ def main(argv=None) -> int:
 
     variants: Dict[str, Callable[[], None]] = {"raw": raw}
     for d in a.spins.split(","):
-        variants[f"raw + {d} us Python"] = spin(float(d))
+        variants[f"raw + {d} us Python"] = spin(raw, float(d))
+    if mpi_comm is not None:  # the same stand-in around MPI: is the amplification oneCCL's or lockstep's?
+        from streamcoll.bench.mpi import tiny as mpi_tiny
+        mpi = mpi_tiny(mpi_comm)
+        variants["mpi"] = mpi
+        for d in a.spins.split(","):
+            variants[f"mpi + {d} us Python"] = spin(mpi, float(d))
     method, fn = comm.all_reduce, streamcoll.all_reduce
     variants["comm.all_reduce(t)"] = lambda: method(t)
     variants["streamcoll.all_reduce(t)"] = lambda: fn(t)
