@@ -5,7 +5,8 @@ a pure-Python busy wait of D us (a stand-in for wrapper work of known cost),
 tensor. If host work between calls added only its own duration, the
 ``raw+D`` rows would be ``raw + D`` at every world size; how much more they
 cost at 2 ranks is what lockstep (every call waits for the slower rank)
-adds to any wrapper, streamcoll's included. Under mpiexec the same is done
+adds to any wrapper, streamcoll's included (``--phases``: how much of it
+is spent inside the C call, waiting). Under mpiexec the same is done
 around an MPI all-reduce (mpi4py), which tells whether the amplification is
 lockstep's (MPI shows it too) or oneCCL's.
 
@@ -33,6 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--spins", default="1,2,3", help="busy-wait lengths D in us")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time the C call itself inside raw + D (per rank: does the call grow with D?)")
     a = ap.parse_args(argv)
     from streamcoll.bench import mpi as bench_mpi
     bench_mpi.adopt_launcher_env()
@@ -65,8 +68,23 @@ def main(argv=None) -> int:
     raw = case.raw()
     pc = time.perf_counter
 
-    def spin(call: Callable[[], None], us: float) -> Callable[[], None]:
+    inside: Dict[str, List[float]] = {}  # variant -> [seconds inside the call, calls] (this rank)
+
+    def spin(call: Callable[[], None], us: float, key: str = "") -> Callable[[], None]:
         d = us * 1e-6
+        if a.phases and key:
+            acc = inside.setdefault(key, [0.0, 0])
+
+            def g():
+                t0 = pc()
+                call()
+                t1 = pc()
+                acc[0] += t1 - t0
+                acc[1] += 1
+                end = t1 + d
+                while pc() < end:
+                    pass
+            return g
 
         def f():
             call()
@@ -78,6 +96,9 @@ def main(argv=None) -> int:
     variants: Dict[str, Callable[[], None]] = {"raw": raw}
     for d in a.spins.split(","):
         variants[f"raw + {d} us Python"] = spin(raw, float(d))
+    if a.phases:
+        for d in ["0"] + a.spins.split(","):
+            variants[f"raw + {d} us, C timed"] = spin(raw, float(d), f"raw + {d} us, C timed")
     if mpi_comm is not None:  # the same stand-in around MPI: is the amplification oneCCL's or lockstep's?
         from streamcoll.bench.mpi import tiny as mpi_tiny
         mpi = mpi_tiny(mpi_comm)
@@ -114,6 +135,16 @@ def main(argv=None) -> int:
         print(f"{'variant':>28s} {'us':>8s} {'over raw':>9s}")
         for k in names:
             print(f"{k:>28s} {med[k]:8.2f} {med[k] - med['raw']:9.2f}")
+    if a.phases:
+        keys = sorted(inside)
+        C = torch.zeros(n, len(keys), dtype=torch.float64)
+        for j, k in enumerate(keys):
+            C[rank, j] = inside[k][0] / max(inside[k][1], 1) * 1e6
+        streamcoll.all_reduce(C)
+        if rank == 0:
+            print("# time inside the raw C call per rank (us), mean over all timed and warm-up calls:")
+            for j, k in enumerate(keys):
+                print(f"{k:>28s} " + " ".join(f"rank {r}: {C[r, j]:6.2f}" for r in range(n)))
     streamcoll.destroy()
     return 0
 
