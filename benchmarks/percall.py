@@ -131,7 +131,7 @@ def main(argv=None) -> int:
         med = {k: statistics.median(T[i].tolist()) for i, k in enumerate(names)}
         print(f"# per-call us, 1-element float32 all_reduce, {n} rank(s), median of {a.reps} x {a.calls} calls, "
               f"interleaved; load {os.getloadavg()}")
-        print(f"# env: " + " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(("CCL_", "FI_"))))
+        print("# env: " + " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(("CCL_", "FI_"))))
         print(f"{'variant':>28s} {'us':>8s} {'over raw':>9s}")
         for k in names:
             print(f"{k:>28s} {med[k]:8.2f} {med[k] - med['raw']:9.2f}")
