@@ -1,12 +1,17 @@
 """The benchmarks: definitions (busbw factors, sizes, batching), and smoke runs
-of the real thing: a tiny two-rank sweep under torchrun and the one-rank
-overhead benchmark, checking the JSON they write and that their correctness
-checks really run (an injected wrong result must be caught). Timings are
-never asserted."""
+of the real thing: a tiny two-rank sweep under torchrun (table and
+nccl-tests format, the latter parsed back as nccl-tests parsers read it),
+the sweep under mpiexec with the MPI column (where ``benchmarks/setup_mpi.sh``
+made its venv: ``scripts/test.sh`` does, in seconds; skipped with the reason
+otherwise), and the one-rank overhead benchmark, checking the JSON they write
+and that their correctness checks really run (an injected wrong result must be
+caught). Timings are never asserted."""
 from __future__ import annotations
 
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 
@@ -17,10 +22,57 @@ from world import LOOPBACK_ENV, free_port
 
 from streamcoll.bench.cases import batches, exact_limit
 from streamcoll.bench.metrics import Stats, algbw, bus_factor, busbw, summarise
+from streamcoll.bench.mpi import adopt_launcher_env
+from streamcoll.bench.nccl_tests_format import block, fmt_time
 from streamcoll.bench.sweep import parse_size, sizes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALL = "all_reduce,all_gather_into_tensor,reduce_scatter_tensor,broadcast,all_to_all_single,sendrecv"
+MPI_VENV = os.environ.get("STREAMCOLL_MPI_VENV") or os.path.join(ROOT, ".venv-mpi")
+MPI_PY = os.path.join(MPI_VENV, "bin", "python")
+
+
+def _mpi_why_not() -> str:
+    """Empty when the MPI venv can run the MPI column, else why not."""
+    if not os.path.exists(os.path.join(MPI_VENV, "bin", "mpiexec")):
+        return f"no MPI venv at {MPI_VENV} (bash benchmarks/setup_mpi.sh makes it; scripts/test.sh runs that)"
+    p = subprocess.run([MPI_PY, "-c", "import mpi4py"], capture_output=True, text=True)
+    return "" if p.returncode == 0 else f"mpi4py not importable in {MPI_VENV}: {p.stderr.strip()[-300:]}"
+
+
+needs_mpi = pytest.mark.skipif(bool(_mpi_why_not()), reason=_mpi_why_not() or "ok")
+
+
+# ------------------------------------------------------- nccl-tests parsing
+def parse_nccl_tests(text: str):
+    """Read nccl-tests output the way tools that consume it do (data lines
+    are the ones not starting with '#': 13 whitespace-separated fields; the
+    two summary lines by their labels). Independent of the formatter."""
+    tests, cur = [], None
+    for line in text.splitlines():
+        m = re.match(r"# Collective test starting: (\S+)", line)
+        if m:
+            cur = {"name": m.group(1), "rows": [], "system": None}
+            tests.append(cur)
+            continue
+        if cur is None:
+            continue
+        if line.startswith("# System:"):
+            cur["system"] = line.split(":", 1)[1].strip()
+        elif line.startswith("# Out of bounds values"):
+            f = line.split(":", 1)[1].split()
+            cur["oob"], cur["oob_status"] = int(f[0]), f[1]
+        elif line.startswith("# Avg bus bandwidth"):
+            cur["avg_busbw"] = float(line.split(":", 1)[1])
+        elif line.strip() and not line.startswith("#"):
+            f = line.split()
+            assert len(f) == 13, line
+            num = lambda x: None if x == "N/A" else float(x)  # noqa: E731
+            cur["rows"].append({"size": int(f[0]), "count": int(f[1]), "type": f[2], "redop": f[3],
+                                "root": int(f[4]),
+                                "out": dict(zip(("time", "algbw", "busbw", "wrong"), map(num, f[5:9]))),
+                                "in": dict(zip(("time", "algbw", "busbw", "wrong"), map(num, f[9:13])))})
+    return tests
 
 
 # ---------------------------------------------------------------- definitions
@@ -70,6 +122,37 @@ def test_stats_noise_and_summary():
     assert rec["algbw"] == pytest.approx(1.0) and rec["busbw"] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="samples"):
         Stats([])
+
+
+def test_nccl_tests_block_reads_back():
+    lib = {"time_us": {"min": 10.0, "median": 12.345, "max": 20.0}, "algbw": 0.5, "busbw": 0.25}
+    rows = [{"collective": c, "bytes": 4 << i, "count": 1 << i, "dtype": "float32", "warmup": 5, "iters": 20,
+             "libs": {"streamcoll": lib}, "wrong": {"streamcoll": w}}
+            for i, (c, w) in enumerate([("all_reduce", 0), ("all_reduce", 3)])]
+    meta = {"ranks": [{"rank": 0, "pid": 1, "host": "h", "device": "cpu", "what": "x"}]}
+    t = parse_nccl_tests("\n".join(block(rows, "streamcoll", meta)))
+    assert len(t) == 1 and t[0]["name"] == "all_reduce_perf" and t[0]["system"] == "streamcoll"
+    r0, r1 = t[0]["rows"]
+    assert (r0["size"], r0["count"], r0["type"], r0["redop"], r0["root"]) == (4, 1, "float", "sum", -1)
+    assert r0["out"] == {"time": None, "algbw": None, "busbw": None, "wrong": None}  # in place only
+    assert r0["in"] == {"time": 12.35, "algbw": 0.5, "busbw": 0.25, "wrong": 0}
+    assert r1["in"]["wrong"] == 3 and t[0]["oob"] == 3 and t[0]["oob_status"] == "FAILED"
+    assert t[0]["avg_busbw"] == pytest.approx(0.25)
+    # all_gather is timed out of place; broadcast prints its root.
+    rows[0]["collective"] = "all_gather_into_tensor"
+    t = parse_nccl_tests("\n".join(block(rows[:1], "streamcoll", meta)))
+    assert t[0]["name"] == "all_gather_perf" and t[0]["rows"][0]["in"]["time"] is None
+    assert t[0]["rows"][0]["redop"] == "none" and t[0]["oob_status"] == "OK"
+    assert fmt_time(5.0) == "   5.00" and fmt_time(123.4) == "  123.4" and fmt_time(12345.6) == "  12346"
+
+
+def test_adopt_launcher_env():
+    e = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    assert adopt_launcher_env(e)
+    assert (e["RANK"], e["WORLD_SIZE"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) == ("1", "2", "1", "2")
+    e = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "3", "RANK": "0", "WORLD_SIZE": "3"}
+    assert adopt_launcher_env(e) and e["LOCAL_WORLD_SIZE"] == "3"  # no local size: one host
+    assert not adopt_launcher_env({"RANK": "0", "WORLD_SIZE": "2"})  # torchrun
 
 
 # ---------------------------------------------------------------- real runs
@@ -127,6 +210,10 @@ def test_sweep_two_ranks_writes_table_json_png(tmp_path):
     assert m["nproc"] >= 1 and m["cpu"] and m["torch"] and m["oneccl"].count(".") == 2
     text = (tmp_path / "sweep.txt").read_text()
     assert "all_reduce" in text and "busbw" in text and "checks: all ok" in text
+    assert "target" not in text  # no internal pass marks in what users read
+    # torchrun gives no MPI world: the column is absent and the output says why.
+    assert doc["meta"]["machine"]["launcher"] == "torchrun"
+    assert doc["meta"]["machine"]["mpi"].startswith("not measured")
     png = (tmp_path / "sweep.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
@@ -163,4 +250,91 @@ def test_overhead_benchmark_runs(tmp_path):
         assert set(rec["ratios"][n]) == {"streamcoll / raw", "comm / raw", "torch.distributed / streamcoll"}
     for v in res.values():
         assert 0 < v["time_us"]["min"] <= v["time_us"]["median"] <= v["time_us"]["max"]
+    assert "target" not in p.stdout
     assert "broadcast: streamcoll.broadcast" in p.stdout
+
+
+def _nccl_tests_checks(stdout: str, doc, systems):
+    tests = parse_nccl_tests(stdout)
+    rows = doc["rows"]
+    assert {(t["name"], t["system"].split(" ")[0]) for t in tests} >= {
+        (n, s) for n in ("all_reduce_perf", "sendrecv_perf") for s in systems}
+    for t in tests:
+        lib = {"streamcoll": "streamcoll", "raw": "raw", "MPI": "mpi", "torch.distributed": "torch"}[
+            t["system"].split(" ")[0]]
+        coll = "all_reduce" if t["name"] == "all_reduce_perf" else "sendrecv"
+        dtype = {"float": "float32", "bfloat16": "bfloat16"}[t["rows"][0]["type"]]
+        mine = [r for r in rows if r["collective"] == coll and r["dtype"] == dtype]
+        assert [r["size"] for r in t["rows"]] == [r["bytes"] for r in mine]
+        assert [r["count"] for r in t["rows"]] == [r["count"] for r in mine]
+        place = "in" if coll == "all_reduce" else "out"
+        if lib not in mine[0]["libs"]:  # MPI has no bfloat16: the system's block is not printed
+            raise AssertionError(f"block for {lib} {dtype} printed without measurements")
+        for got, r in zip(t["rows"], mine):
+            assert got[place]["wrong"] == 0
+            assert got[place]["time"] == pytest.approx(r["libs"][lib]["time_us"]["median"], rel=0.01, abs=0.01)
+            assert got[place]["busbw"] == pytest.approx(r["libs"][lib]["busbw"], abs=0.006)
+        assert t["oob"] == 0 and t["oob_status"] == "OK"
+        assert t["avg_busbw"] == pytest.approx(statistics.mean(r["libs"][lib]["busbw"] for r in mine), rel=1e-4)
+
+
+@needs_oneccl
+@pytest.mark.world
+def test_sweep_nccl_tests_format_into_results_dir(tmp_path):
+    """--format nccl-tests prints what nccl-tests parsers read; without --out
+    the files go to the results folder (bench-results/ by default, untracked)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "streamcoll.bench", "--collectives", "all_reduce,sendrecv", "--sizes", "4,1K",
+           "--iters", "6", "--reps", "2", "--format", "nccl-tests", "--results-dir", str(tmp_path / "res")]
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    files = sorted(os.listdir(tmp_path / "res"))
+    assert [f.rsplit(".", 1)[1] for f in files] == ["json", "png", "txt"] and files[0].startswith("sweep_2ranks_")
+    doc = json.loads((tmp_path / "res" / files[0]).read_text())
+    _nccl_tests_checks(p.stdout, doc, ("streamcoll", "raw", "torch.distributed"))
+    assert (tmp_path / "res" / files[2]).read_text().count("# Avg bus bandwidth") == 6
+
+
+@needs_oneccl
+@needs_mpi
+@pytest.mark.world
+def test_sweep_under_mpiexec_has_the_mpi_column(tmp_path):
+    """Under mpiexec the launcher's ranks become torchrun's, MPI is timed in
+    the same processes and checked like the others; a dtype MPI lacks leaves
+    the row without it, saying why."""
+    env = _env()
+    env["MASTER_PORT"] = str(free_port())
+    cmd = [os.path.join(MPI_VENV, "bin", "mpiexec"), "-n", "2", "-bind-to", "none", MPI_PY, "-m", "streamcoll.bench",
+           "--collectives", "all_reduce,sendrecv", "--sizes", "4,1K", "--iters", "6", "--reps", "2",
+           "--dtype", "float32,bfloat16", "--format", "nccl-tests", "--out", str(tmp_path / "m")]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((tmp_path / "m.json").read_text())
+    m = doc["meta"]["machine"]
+    assert m["launcher"] == "mpiexec" and m["mpi"].startswith("mpi4py")
+    for r in doc["rows"]:
+        if r["dtype"] == "float32":
+            assert set(r["libs"]) == {"streamcoll", "raw", "mpi", "torch"}
+            assert r["check"]["mpi"] == "ok" and r["wrong"]["mpi"] == 0
+            assert r["speedup_vs_mpi"] == pytest.approx(
+                r["libs"]["mpi"]["time_us"]["median"] / r["libs"]["streamcoll"]["time_us"]["median"])
+        else:
+            assert "mpi" not in r["libs"] and "bfloat16" in r["errors"]["mpi"]
+    _nccl_tests_checks(p.stdout, doc, ("streamcoll", "raw", "MPI", "torch.distributed"))
+
+
+@needs_oneccl
+@needs_mpi
+@pytest.mark.world
+def test_sweep_catches_a_wrong_mpi_result(tmp_path):
+    """The MPI column's check is real: corrupting MPI's output fails the run."""
+    env = _env()
+    env["MASTER_PORT"] = str(free_port())
+    cmd = [os.path.join(MPI_VENV, "bin", "mpiexec"), "-n", "2", "-bind-to", "none", MPI_PY, "-m", "streamcoll.bench",
+           "--collectives", "all_reduce", "--sizes", "16", "--iters", "3", "--reps", "1", "--no-baseline",
+           "--inject-error", "mpi", "--json", str(tmp_path / "m.json")]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert p.returncode != 0 and "CHECK FAILED" in p.stdout
+    r = json.loads((tmp_path / "m.json").read_text())["rows"][0]
+    assert r["check"]["mpi"] == "FAIL" and r["check"]["streamcoll"] == "ok" and r["wrong"]["mpi"] == 1

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 
 import math
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -158,16 +158,22 @@ class Case:
         return None
 
     # -- shared ---------------------------------------------------------------
-    def check(self, k: int) -> Optional[str]:
-        """None if the output after ``k`` calls is right, else a description."""
+    def compare(self, k: int) -> Tuple[int, Optional[str]]:
+        """(wrong elements, None or a description) of the output after ``k``
+        calls; the count is nccl-tests' ``#wrong``."""
         out = self.output()
         exp = self.expected(k)
         if torch.equal(out, exp):
-            return None
+            return 0, None
         bad = (out != exp).nonzero()
         i = int(bad[0]) if bad.numel() else -1
-        return (f"{self.name} {self.nbytes} B rank {self.ctx.rank}: {bad.numel()} of {out.numel()} elements "
-                f"wrong; first at [{i}]: got {out.view(-1)[i].item()}, expected {exp.view(-1)[i].item()}")
+        return bad.numel(), (f"{self.name} {self.nbytes} B rank {self.ctx.rank}: {bad.numel()} of {out.numel()} "
+                             f"elements wrong; first at [{i}]: got {out.view(-1)[i].item()}, "
+                             f"expected {exp.view(-1)[i].item()}")
+
+    def check(self, k: int) -> Optional[str]:
+        """None if the output after ``k`` calls is right, else a description."""
+        return self.compare(k)[1]
 
     def corrupt(self) -> None:
         """Testing aid (--inject-error): make the last result wrong."""

@@ -278,8 +278,13 @@ def main(argv=None) -> int:
                    help="which collectives (default: all four)")
     p.add_argument("--json", help="write the results (and the machine description) here")
     p.add_argument("--table", help="write the printed table here too")
-    p.add_argument("--out", help="prefix for --json/--table: PREFIX.json, PREFIX.txt")
+    p.add_argument("--out", help="prefix for --json/--table: PREFIX.json, PREFIX.txt "
+                                 "(default: RESULTS_DIR/overhead_<date>)")
+    p.add_argument("--results-dir", default="bench-results",
+                   help="where results go without --out/--json/--table (default bench-results/, untracked)")
     a = p.parse_args(argv)
+    if not (a.out or a.json or a.table):
+        a.out = os.path.join(a.results_dir, f"overhead_{time.strftime('%Y%m%d-%H%M%S')}")
     if a.out:
         a.json = a.json or a.out + ".json"
         a.table = a.table or a.out + ".txt"
@@ -321,6 +326,9 @@ def main(argv=None) -> int:
         out.append(prof)
     s = "\n".join(out)
     print(s)
+    for path in (a.table, a.json):
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if a.table:
         with open(a.table, "w") as fh:
             fh.write(s + "\n")

@@ -9,6 +9,7 @@ __all__ = ["plot"]
 
 _STYLE = {"streamcoll": dict(color="tab:blue", marker="o"),
           "raw": dict(color="tab:gray", marker=".", linestyle="--"),
+          "mpi": dict(color="tab:green", marker="^"),
           "torch": dict(color="tab:red", marker="s")}
 
 
@@ -31,12 +32,12 @@ def plot(doc: Dict[str, Any], path: str) -> None:
         for dt, asy in variants:
             rs = sorted((r for r in groups[c] if r["dtype"] == dt and r["async_op"] == asy), key=lambda r: r["bytes"])
             suffix = "" if len(variants) == 1 else f" {dt}{' async' if asy else ''}"
-            for lib in ("streamcoll", "raw", "torch"):
+            for lib in ("streamcoll", "raw", "mpi", "torch"):
                 pts = [(r["bytes"], r["libs"][lib]) for r in rs if lib in r["libs"]]
                 if not pts:
                     continue
-                label = (f"torch.distributed ({base})" if lib == "torch" else
-                         "raw C call" if lib == "raw" else "streamcoll") + suffix
+                label = {"torch": f"torch.distributed ({base})", "raw": "raw C call",
+                         "mpi": "MPI (mpi4py)", "streamcoll": "streamcoll"}[lib] + suffix
                 x = [p[0] for p in pts]
                 style = dict(_STYLE[lib])
                 if asy:  # async_op=True: dotted, hollow markers
@@ -57,7 +58,8 @@ def plot(doc: Dict[str, Any], path: str) -> None:
             ax_t.set_xlabel("message size (bytes)")
             ax_b.set_xlabel("message size (bytes)")
     m = meta.get("machine", {})
-    fig.suptitle(f"streamcoll vs torch.distributed ({base}), {meta.get('world_size')} ranks, "
+    vs = "MPI and " if any("mpi" in r["libs"] for r in rows) else ""
+    fig.suptitle(f"streamcoll vs {vs}torch.distributed ({base}), {meta.get('world_size')} ranks, "
                  f"{m.get('cpu', '')} x{m.get('nproc', '')}, load {m.get('loadavg_before')}", fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     _save_small(fig, path)

@@ -1,15 +1,22 @@
 """nccl-tests-style sweep: message sizes x collectives, streamcoll side by
-side with the raw C call through its binding and with torch.distributed
-(gloo on the CPU, nccl on CUDA), all measured in the same processes.
+side with the raw C call through its binding, with torch.distributed (gloo on
+the CPU, nccl on CUDA) and, where mpi4py is importable and the ranks form an
+MPI world, with MPI, all measured in the same processes.
 
-Launch with torchrun (``benchmarks/sweep.sh`` picks a free port and sets the
-loopback variables)::
+Launch with torchrun or mpiexec (``benchmarks/sweep.sh`` picks a free port,
+sets the loopback variables, and uses mpiexec when the MPI venv of
+``benchmarks/setup_mpi.sh`` exists)::
 
     python -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 \\
-        --master-port 29511 -m streamcoll.bench --max-bytes 64M --out benchmarks/results/sweep
+        --master-port 29511 -m streamcoll.bench --max-bytes 64M
+    .venv-mpi/bin/mpiexec -n 2 .venv-mpi/bin/python -m streamcoll.bench --max-bytes 64M
 
-torch.distributed is initialised first (``env://``) and streamcoll's default
-communicator reuses its store, so both libraries live in every rank process.
+Under mpiexec the launcher's rank variables become torchrun's
+(:mod:`streamcoll.bench.mpi`); a torchrun launch has no MPI world, so the MPI
+column is left out and the output says why. torch.distributed is initialised
+first (``env://``) and streamcoll's default communicator reuses its store, so
+every library lives in every rank process. Results go to ``bench-results/``
+(untracked) unless ``--out`` names another place.
 
 How a row is measured (one collective, one size): a few untimed warm-up
 calls per library, then ``iters`` timed calls split into batches; batches of
@@ -29,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from typing import Any, Dict, List, Optional
@@ -42,7 +48,8 @@ __all__ = ["main", "parse_size", "sizes"]
 
 LOOPBACK = {"MASTER_ADDR": "127.0.0.1", "CCL_KVS_IFACE": "lo", "NCCL_SOCKET_IFNAME": "lo",
             "GLOO_SOCKET_IFNAME": "lo"}
-LIBS = ("streamcoll", "raw", "torch")
+LIBS = ("streamcoll", "raw", "mpi", "torch")
+BASELINES = ("mpi", "torch")  # may lack a dtype or collective: the row goes on without them
 DEFAULT_COLLECTIVES = tuple(CASES)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30}
 
@@ -79,6 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-bytes", "-b", type=parse_size, default=4, help="smallest message (default 4)")
     p.add_argument("--max-bytes", "-e", type=parse_size, default=256 << 20, help="largest message (default 256M)")
     p.add_argument("--factor", "-f", type=int, default=4, help="size step factor (default 4)")
+    p.add_argument("--sizes", help="comma-separated sizes instead of -b/-e/-f, e.g. 4,64,1K,1M,64M")
     p.add_argument("--dtype", default="float32", help="comma-separated dtypes (default float32)")
     p.add_argument("--async-op", choices=("false", "true", "both"), default="false",
                    help="async_op=True runs call + wait() (default false)")
@@ -92,14 +100,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5, help="batches per row to take min/median/max over (default 5)")
     p.add_argument("--no-baseline", action="store_true", help="skip torch.distributed")
     p.add_argument("--no-raw", action="store_true", help="skip the raw C call column")
+    p.add_argument("--no-mpi", action="store_true", help="skip the MPI column (measured only under mpiexec)")
+    p.add_argument("--format", choices=("table", "nccl-tests"), default="table",
+                   help="printed output: the side-by-side table (default) or nccl-tests' format, "
+                        "one block per system")
     p.add_argument("--noise-threshold", type=float, default=1.5, help="warn when a row's max/min exceeds this")
     p.add_argument("--json", help="write the results here (JSON)")
     p.add_argument("--plot", help="write a PNG plot here (busbw and latency vs size)")
     p.add_argument("--table", help="write the printed table here")
-    p.add_argument("--out", help="prefix for --json/--plot/--table: PREFIX.json, PREFIX.png, PREFIX.txt")
-    p.add_argument("--inject-error", action="store_true",
-                   help="testing aid: corrupt streamcoll's result on rank 0 before each check, "
-                        "to show the checks run (the run then exits 1)")
+    p.add_argument("--out", help="prefix for --json/--plot/--table: PREFIX.json, PREFIX.png, PREFIX.txt "
+                                 "(default: RESULTS_DIR/sweep_<n>ranks_<date>)")
+    p.add_argument("--results-dir", default="bench-results",
+                   help="where results go without --out (default bench-results/, untracked)")
+    p.add_argument("--inject-error", nargs="?", const="streamcoll", default=None, choices=LIBS,
+                   help="testing aid: corrupt this system's result (default streamcoll) on rank 0 before "
+                        "each check, to show the checks run (the run then exits 1)")
     a = p.parse_args(argv)
     a.collectives = [c.strip() for c in a.collectives.split(",") if c.strip()]
     for c in a.collectives:
@@ -109,11 +124,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.asyncs = {"false": [False], "true": [True], "both": [False, True]}[a.async_op]
     if a.min_bytes > a.max_bytes:
         p.error("--min-bytes is larger than --max-bytes")
+    a.size_list = (sorted({parse_size(x) for x in a.sizes.split(",") if x.strip()}) if a.sizes
+                   else sizes(a.min_bytes, a.max_bytes, a.factor))
     if a.out:
-        a.json = a.json or a.out + ".json"
-        a.plot = a.plot or a.out + ".png"
-        a.table = a.table or a.out + ".txt"
+        set_out(a, a.out)
     return a
+
+
+def set_out(a: argparse.Namespace, prefix: str) -> None:
+    a.out = prefix
+    a.json = a.json or prefix + ".json"
+    a.plot = a.plot or prefix + ".png"
+    a.table = a.table or prefix + ".txt"
 
 
 def iters_for(nbytes: int, a) -> int:
@@ -135,18 +157,21 @@ class Out:
             self.lines.append(s)
 
 
-def _header(coll: str, dtype: str, n: int, async_op: bool, tlabel: str, raw: bool, baseline: bool) -> List[str]:
+def _header(coll: str, dtype: str, n: int, async_op: bool, tlabel: str, raw: bool, mpi: bool,
+            baseline: bool) -> List[str]:
     h1 = f"# {coll}  dtype={dtype}  ranks={n}  async_op={async_op}  busbw factor={bus_factor(coll, n):.3g}"
     cols = f"{'size':>9s} {'count':>10s} | {'streamcoll us':>13s} {'algbw':>7s} {'busbw':>7s}"
     if raw:
         cols += f" | {'raw us':>9s} {'sc/raw':>6s}"
+    if mpi:
+        cols += f" | {'mpi us':>10s} {'busbw':>7s} {'speedup':>7s}"
     if baseline:
         cols += f" | {tlabel + ' us':>12s} {'algbw':>7s} {'busbw':>7s} {'speedup':>7s}"
     cols += " | check"
     return [h1, cols]
 
 
-def _fmt_row(r: Dict[str, Any], raw: bool, baseline: bool) -> str:
+def _fmt_row(r: Dict[str, Any], raw: bool, mpi: bool, baseline: bool) -> str:
     sc = r["libs"]["streamcoll"]
     s = f"{fmt_bytes(r['bytes']):>9s} {r['count']:>10d} | {sc['time_us']['median']:13.1f} {sc['algbw']:7.3f} {sc['busbw']:7.3f}"
     if raw:
@@ -155,12 +180,18 @@ def _fmt_row(r: Dict[str, Any], raw: bool, baseline: bool) -> str:
             s += f" | {rw['time_us']['median']:9.1f} {r['streamcoll_over_raw']:6.3f}"
         else:
             s += f" | {'-':>9s} {'-':>6s}"
+    if mpi:
+        m = r["libs"].get("mpi")
+        if m:
+            s += f" | {m['time_us']['median']:10.1f} {m['busbw']:7.3f} {r['speedup_vs_mpi']:6.2f}x"
+        else:
+            s += f" | {r.get('errors', {}).get('mpi', 'n/a')[:26]:>26s}"
     if baseline:
         td = r["libs"].get("torch")
         if td:
             s += f" | {td['time_us']['median']:12.1f} {td['algbw']:7.3f} {td['busbw']:7.3f} {r['speedup_vs_torch']:6.1f}x"
         else:
-            s += f" | {r.get('torch_error', 'n/a')[:40]:>37s}"
+            s += f" | {r.get('torch_error', 'n/a')[:37]:>37s}"
     checks = r["check"]
     s += " | " + ("ok" if all(v == "ok" for v in checks.values()) else
                   ",".join(f"{k}:{'ok' if v == 'ok' else 'FAIL'}" for k, v in checks.items()))
@@ -170,16 +201,24 @@ def _fmt_row(r: Dict[str, Any], raw: bool, baseline: bool) -> str:
     return s
 
 
-def run_row(ctx: Context, coll: str, nbytes: int, a, devsync, tiny: Dict[str, Any]) -> Dict[str, Any]:
+def run_row(ctx: Context, coll: str, nbytes: int, a, devsync, tiny: Dict[str, Any],
+            mpi_comm: Optional[Any] = None) -> Dict[str, Any]:
     """Measure one row on every rank; returns the (rank-averaged) record."""
     import torch
     import torch.distributed as dist
     case = make_case(coll, ctx, nbytes)
     runners: Dict[str, Any] = {"streamcoll": case.streamcoll()}
+    errors: Dict[str, str] = {}
     if not a.no_raw:
         r = case.raw()
         if r is not None:
             runners["raw"] = r
+    if mpi_comm is not None:
+        from . import mpi as bench_mpi
+        try:
+            runners["mpi"] = bench_mpi.runner(case, mpi_comm)
+        except NotImplementedError as e:  # same on every rank: decided before any call
+            errors["mpi"] = str(e)
     if not a.no_baseline:
         runners["torch"] = case.torch()
     iters = iters_for(case.nbytes, a)
@@ -187,7 +226,6 @@ def run_row(ctx: Context, coll: str, nbytes: int, a, devsync, tiny: Dict[str, An
     warm = a.warmup if a.warmup is not None else (5 if case.nbytes < (16 << 20) else 1)
     if case.cap is not None:
         warm = min(warm, case.cap)
-    torch_error: Optional[str] = None
     for lib in list(runners):
         case.fill()
         devsync()
@@ -197,15 +235,16 @@ def run_row(ctx: Context, coll: str, nbytes: int, a, devsync, tiny: Dict[str, An
                 runners[lib]()
             devsync()
         except Exception as e:
-            if lib != "torch":
+            if lib not in BASELINES:
                 raise
             # Unsupported by the baseline (a dtype gloo lacks, say): both ranks
             # fail the same way before communicating; the row goes on without it.
-            torch_error = f"{type(e).__name__}: {e}".splitlines()[0]
+            errors[lib] = f"{type(e).__name__}: {e}".splitlines()[0]
             del runners[lib]
     libs = list(runners)
     times: Dict[str, List[float]] = {k: [] for k in libs}
     checks: Dict[str, Optional[str]] = {}
+    wrong: Dict[str, int] = {}
     pc = time.perf_counter
     for b in range(nb):
         k = b % len(libs)
@@ -220,9 +259,9 @@ def run_row(ctx: Context, coll: str, nbytes: int, a, devsync, tiny: Dict[str, An
             devsync()
             times[lib].append((pc() - t0) / bs)
             if b == nb - 1:
-                if a.inject_error and lib == "streamcoll" and ctx.rank == 0:
+                if lib == a.inject_error and ctx.rank == 0:
                     case.corrupt()
-                checks[lib] = case.check(bs)
+                wrong[lib], checks[lib] = case.compare(bs)
     # Average over ranks (nccl-tests reports the ranks' average time); agree on checks.
     n = ctx.n
     T = torch.tensor([times[k] for k in libs], dtype=torch.float64)
@@ -230,6 +269,8 @@ def run_row(ctx: Context, coll: str, nbytes: int, a, devsync, tiny: Dict[str, An
     T /= n
     ok = torch.tensor([1 if checks[k] is None else 0 for k in libs], dtype=torch.int32)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    W = torch.tensor([wrong[k] for k in libs], dtype=torch.int64)
+    dist.all_reduce(W)  # nccl-tests' #wrong: summed over ranks
     problems: List[str] = []
     if int(ok.min()) == 0:
         gathered: List[Any] = [None] * n
@@ -241,6 +282,7 @@ def run_row(ctx: Context, coll: str, nbytes: int, a, devsync, tiny: Dict[str, An
         "world_size": n, "async_op": ctx.async_op, "iters": bs * nb, "batches": nb, "calls_per_batch": bs,
         "warmup": warm, "libs": {},
         "check": {k: ("ok" if ok[i] else "FAIL") for i, k in enumerate(libs)},
+        "wrong": {k: int(W[i]) for i, k in enumerate(libs)},
     }
     if problems:
         rec["check_errors"] = problems
@@ -254,52 +296,50 @@ def run_row(ctx: Context, coll: str, nbytes: int, a, devsync, tiny: Dict[str, An
                                                rec["libs"]["raw"]["time_us"]["min"])
     if "torch" in rec["libs"]:
         rec["speedup_vs_torch"] = ratio(rec["libs"]["torch"]["time_us"]["median"], t_sc)
-    if torch_error:
-        rec["torch_error"] = torch_error
+    if "mpi" in rec["libs"]:
+        rec["speedup_vs_mpi"] = ratio(rec["libs"]["mpi"]["time_us"]["median"], t_sc)
+    if errors:
+        rec["errors"] = errors
+        if "torch" in errors:
+            rec["torch_error"] = errors["torch"]
     del case
     return rec
 
 
-def targets(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """The issue's two-rank targets, evaluated on float32 all_reduce rows
-    (async_op=False) where the run has them."""
+def summary(rows: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
+    """Ratios of the float32 synchronous all_reduce rows, per system against
+    streamcoll (time of streamcoll / time of the other, so < 1 means
+    streamcoll is faster): for messages up to 1 KB and from 1 MB up, the
+    per-row values and their range. Facts for the reader, not pass marks."""
     ar = [r for r in rows if r["collective"] == "all_reduce" and not r["async_op"] and r["dtype"] == "float32"]
-    out: Dict[str, Any] = {}
-    if not ar:
-        return out
-    # Small messages: the median of the per-row time ratios up to 4 KB (gloo's
-    # small-message latency swings between ~0.1 and ~1.5 ms from row to row).
-    small = [r for r in ar if r["bytes"] <= 4096 and "torch" in r["libs"]]
-    if small:
-        per = {str(r["bytes"]): r["libs"]["streamcoll"]["time_us"]["median"] / r["libs"]["torch"]["time_us"]["median"]
-               for r in small}
-        v = statistics.median(per.values())
-        out["small-message latency streamcoll/torch (median of rows <= 4K)"] = {
-            "bytes": small[0]["bytes"], "value": v, "target": "<= 0.1", "met": v <= 0.1, "per_row": per}
-    big = [r for r in ar if r["bytes"] == 64 << 20]
-    if big and "torch" in big[0]["libs"]:
-        v = big[0]["libs"]["streamcoll"]["busbw"] / big[0]["libs"]["torch"]["busbw"]
-        out["busbw at 64M streamcoll/torch"] = {"bytes": 64 << 20, "value": v, "target": ">= 5", "met": v >= 5}
-    large = [r for r in ar if r["bytes"] >= 1 << 20 and "streamcoll_over_raw" in r]
-    if large:
-        # Summed over the rows >= 1M: the per-call overhead is constant, and
-        # the sum weighs each row by its time instead of its noise.
-        for key, label in (("median", "medians"), ("min", "fastest batches")):
-            sc = sum(r["libs"]["streamcoll"]["time_us"][key] for r in large)
-            rw = sum(r["libs"]["raw"]["time_us"][key] for r in large)
-            v = sc / rw
-            out[f"streamcoll/raw time over rows >= 1M ({label})"] = {
-                "bytes": large[0]["bytes"], "value": v, "target": "<= 1.05", "met": v <= 1.05,
-                "per_row": {str(r["bytes"]): r["libs"]["streamcoll"]["time_us"][key] / r["libs"]["raw"]["time_us"][key]
-                            for r in large}}
+    out: Dict[str, Dict[str, float]] = {}
+    for lib in ("raw", "mpi", "torch"):
+        for band, sel in (("<=1K", lambda b: b <= 1024), (">=1M", lambda b: b >= 1 << 20)):
+            per = {fmt_bytes(r["bytes"]): r["libs"]["streamcoll"]["time_us"]["median"] / r["libs"][lib]["time_us"]["median"]
+                   for r in ar if sel(r["bytes"]) and lib in r["libs"]}
+            if per:
+                out[f"streamcoll/{lib} {band}"] = per
     return out
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    from . import mpi as bench_mpi
+    under_mpi = bench_mpi.adopt_launcher_env()
     for k, v in LOOPBACK.items():
         os.environ.setdefault(k, v)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    rank0, n0 = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    # MPI before anything loads oneCCL (one libfabric.so.1 serves the process; see bench.mpi).
+    mpi_comm, mpi_note = (None, "--no-mpi") if a.no_mpi else bench_mpi.open_world(rank0, n0)
+    if mpi_comm is not None and "MASTER_PORT" not in os.environ:
+        # mpiexec gives no rendezvous port for torch's store: rank 0 picks one, MPI tells the rest.
+        port = _free_port() if rank0 == 0 else None
+        os.environ["MASTER_PORT"] = str(mpi_comm.bcast(port, root=0))
+    if under_mpi and "MASTER_PORT" not in os.environ:
+        print("streamcoll.bench: under mpiexec without mpi4py, set MASTER_PORT (benchmarks/sweep.sh does)",
+              file=sys.stderr)
+        return 2
     import torch
     import torch.distributed as dist
     import streamcoll
@@ -312,6 +352,8 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
         dist.init_process_group("cpu:gloo,cuda:nccl")
         devsync = torch.cuda.synchronize
+        if mpi_comm is not None:
+            mpi_comm, mpi_note = None, "host buffers only (the sweep's MPI column is CPU-only)"
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
@@ -322,15 +364,27 @@ def main(argv=None) -> int:
         print("streamcoll.bench: the sweep needs at least 2 ranks (torchrun --nproc-per-node 2); "
               "for one rank use python -m streamcoll.bench.overhead", file=sys.stderr)
         return 2
+    if not (a.out or a.json or a.table or a.plot):
+        set_out(a, os.path.join(a.results_dir, f"sweep_{n}ranks_{time.strftime('%Y%m%d-%H%M%S')}"))
     tlabel = "nccl" if cuda else "gloo"
     out = Out(rank)
     mach = describe(a.device, memcpy=not cuda and rank == 0)
+    mach["launcher"] = "mpiexec" if under_mpi else "torchrun"
+    mach["libfabric"] = bench_mpi.loaded_libfabric()
+    mach["mpi"] = mpi_note if mpi_comm is not None else f"not measured: {mpi_note}"
+    gathered: List[Any] = [None] * n
+    from .nccl_tests_format import rank_lines
+    dist.all_gather_object(gathered, rank_lines(rank, n, a.device, mach.get("cpu", "")))
     dist.barrier()  # gloo's barrier blocks without spinning while rank 0 measures memcpy
     mach["loadavg_before"] = load0
-    out(f"# streamcoll.bench sweep: {n} ranks, {summary_line(mach)}")
-    out(f"# streamcoll vs raw {comm.backend} C call (same binding) vs torch.distributed ({tlabel}); "
+    nccl_fmt = a.format == "nccl-tests"
+    out(f"# streamcoll.bench sweep: {n} ranks ({mach['launcher']}), {summary_line(mach)}")
+    out(f"# streamcoll vs raw {comm.backend} C call (same binding) vs MPI vs torch.distributed ({tlabel}); "
         f"times: median per-call us over batches; algbw/busbw: GB/s (nccl-tests definitions)")
+    out(f"# mpi: {mach['mpi']}; libfabric: {mach['libfabric']}")
     out(f"# env: " + " ".join(f"{k}={v}" for k, v in mach["env"].items() if k.startswith(("CCL_", "FI_"))))
+    meta_fmt = {"baseline": tlabel, "mpi": mpi_note if mpi_comm is not None else None,
+                "args": {"factor": a.factor}, "ranks": gathered}
 
     # One-element per-library sync collectives that start every timed batch.
     def _tiny():
@@ -342,6 +396,8 @@ def main(argv=None) -> int:
         d = {"streamcoll": lambda: streamcoll.all_reduce(sc_t), "torch": lambda: dist.all_reduce(td_t)}
         if raw1 is not None:
             d["raw"] = raw1
+        if mpi_comm is not None:
+            d["mpi"] = bench_mpi.tiny(mpi_comm)
         return d, ar1
     tiny, _keep = _tiny()
 
@@ -355,41 +411,48 @@ def main(argv=None) -> int:
         for async_op in a.asyncs:
             ctx = Context(comm, rank, n, device, dtype, async_op)
             for coll in a.collectives:
-                for line in _header(coll, dname, n, async_op, tlabel, not a.no_raw, not a.no_baseline):
-                    out(line)
+                if not nccl_fmt:
+                    for line in _header(coll, dname, n, async_op, tlabel, not a.no_raw, mpi_comm is not None,
+                                        not a.no_baseline):
+                        out(line)
                 seen = set()
-                for s in sizes(a.min_bytes, a.max_bytes, a.factor):
-                    rec = run_row(ctx, coll, s, a, devsync, tiny)
+                group: List[Dict[str, Any]] = []
+                for s in a.size_list:
+                    rec = run_row(ctx, coll, s, a, devsync, tiny, mpi_comm)
                     if rec["bytes"] in seen:  # rounding made it a repeat of a smaller size
                         continue
                     seen.add(rec["bytes"])
                     rows.append(rec)
-                    out(_fmt_row(rec, not a.no_raw, not a.no_baseline))
+                    group.append(rec)
+                    if not nccl_fmt:
+                        out(_fmt_row(rec, not a.no_raw, mpi_comm is not None, not a.no_baseline))
                     if rec.get("check_errors"):
                         failed = True
                         for e in rec["check_errors"]:
-                            out(f"    CHECK FAILED {e}")
+                            out(f"# CHECK FAILED {e}")
+                if nccl_fmt and group:
+                    from .nccl_tests_format import blocks
+                    for line in blocks(group, LIBS, meta_fmt):
+                        out(line)
                 out()
     elapsed = time.time() - t_start
     mach["loadavg_after"] = loadavg()
     mach["cpu_usage"] = cpu_usage(cpu0, cpu_snapshot())
     noisy = [(r, k, v) for r in rows for k, v in r["libs"].items() if v["noisy"]]
     if noisy:
-        out(f"WARNING: {len(noisy)} measurements noisy (max/min over batches > {a.noise_threshold}); "
+        out(f"# WARNING: {len(noisy)} measurements noisy (max/min over batches > {a.noise_threshold}); "
             f"load average before {load0}, after {mach['loadavg_after']}. min/median/max us:")
         for r, k, v in noisy[:40]:
             t = v["time_us"]
-            out(f"    {r['collective']} {fmt_bytes(r['bytes'])} {r['dtype']} async={r['async_op']} {k}: "
+            out(f"#     {r['collective']} {fmt_bytes(r['bytes'])} {r['dtype']} async={r['async_op']} {k}: "
                 f"{t['min']:.1f}/{t['median']:.1f}/{t['max']:.1f} (spread {v['spread']:.2f}x)")
         if len(noisy) > 40:
-            out(f"    ... and {len(noisy) - 40} more (see the JSON)")
-    tg = targets(rows)
-    if tg and n == 2:
-        out("# targets (issue 5, 2 ranks, float32 all_reduce):")
-        for k, v in tg.items():
-            at = (f"over {', '.join(fmt_bytes(int(b)) for b in v['per_row'])}" if "per_row" in v
-                  else f"at {fmt_bytes(v['bytes'])}")
-            out(f"#   {k}: {v['value']:.3f} {at} (want {v['target']}): {'met' if v['met'] else 'NOT met'}")
+            out(f"#     ... and {len(noisy) - 40} more (see the JSON)")
+    sm = summary(rows)
+    if sm:
+        out("# float32 all_reduce, time of streamcoll / time of each other system, per size:")
+        for k, per in sm.items():
+            out(f"#   {k}: " + ", ".join(f"{b} {v:.2f}" for b, v in per.items()))
     u = mach["cpu_usage"] or {}
     out(f"# {len(rows)} rows in {elapsed:.0f} s; load average before {load0}, after {mach['loadavg_after']}; "
         f"cores busy {u.get('busy_pct')}%, stolen by the hypervisor {u.get('steal_pct')}%; "
@@ -398,7 +461,7 @@ def main(argv=None) -> int:
         doc = {"meta": {"machine": mach, "world_size": n, "backend": comm.backend, "baseline": tlabel,
                         "args": {k: v for k, v in vars(a).items() if k not in ("out",)},
                         "elapsed_s": elapsed, "command": " ".join(sys.argv)},
-               "targets": tg, "rows": rows}
+               "summary": sm, "rows": rows}
         if a.json:
             _mkdir(a.json)
             with open(a.json, "w") as fh:
@@ -411,9 +474,17 @@ def main(argv=None) -> int:
             from .plot import plot
             _mkdir(a.plot)
             plot(doc, a.plot)
+        print(f"# results: {', '.join(p for p in (a.table, a.json, a.plot) if p)}", flush=True)
     streamcoll.destroy()
     dist.destroy_process_group()
     return 1 if failed else 0
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _mkdir(path: str) -> None:
