@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 __all__ = ["LAUNCHER_VARS", "adopt_launcher_env", "launched_by_mpi", "open_world", "runner", "tiny",
            "loaded_libfabric", "library_version"]
@@ -46,7 +46,7 @@ LAUNCHER_VARS = (
 )
 
 
-def launched_by_mpi(environ: Optional[Dict[str, str]] = None) -> Optional[Tuple[str, str, str, str]]:
+def launched_by_mpi(environ: Optional[Mapping[str, str]] = None) -> Optional[Tuple[str, str, str, str]]:
     """The launcher variable names of this process's MPI launcher, or None."""
     e = os.environ if environ is None else environ
     for names in LAUNCHER_VARS:

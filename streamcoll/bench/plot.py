@@ -39,7 +39,7 @@ def plot(doc: Dict[str, Any], path: str) -> None:
                 label = {"torch": f"torch.distributed ({base})", "raw": "raw C call",
                          "mpi": "MPI (mpi4py)", "streamcoll": "streamcoll"}[lib] + suffix
                 x = [p[0] for p in pts]
-                style = dict(_STYLE[lib])
+                style: Dict[str, Any] = dict(_STYLE[lib])
                 if asy:  # async_op=True: dotted, hollow markers
                     style.update(linestyle=":", markerfacecolor="none")
                 if len({d for d, _ in variants}) > 1:

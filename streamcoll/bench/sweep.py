@@ -38,7 +38,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .cases import CASES, Context, batches, make_case
 from .machine import cpu_snapshot, cpu_usage, describe, loadavg, summary_line
@@ -247,8 +247,8 @@ def run_row(ctx: Context, coll: str, nbytes: int, a, devsync, tiny: Dict[str, An
     wrong: Dict[str, int] = {}
     pc = time.perf_counter
     for b in range(nb):
-        k = b % len(libs)
-        for lib in libs[k:] + libs[:k]:  # rotate: no library always runs right after another
+        j = b % len(libs)
+        for lib in libs[j:] + libs[:j]:  # rotate: no library always runs right after another
             fn = runners[lib]
             case.fill()
             devsync()
@@ -351,7 +351,7 @@ def main(argv=None) -> int:
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
         dist.init_process_group("cpu:gloo,cuda:nccl")
-        devsync = torch.cuda.synchronize
+        devsync: Callable[[], None] = torch.cuda.synchronize
         if mpi_comm is not None:
             mpi_comm, mpi_note = None, "host buffers only (the sweep's MPI column is CPU-only)"
     else:
