@@ -21,7 +21,7 @@ def _library_report(binding, out: TextIO) -> None:
 
     w = out.write
     w(f"{binding.name}:\n")
-    w(f"  declarations: native/{binding.declarations}.h ({binding.name} {binding.declared_version})\n")
+    w(f"  declarations: streamcoll/_native/{binding.declarations}.h ({binding.name} {binding.declared_version})\n")
     try:
         binding.lib()
     except LibraryNotFoundError as e:

@@ -18,22 +18,25 @@ from ..errors import FunctionNotFoundError, LibraryNotFoundError
 __all__ = ["NATIVE_DIR", "Binding", "read_declarations", "enum_values"]
 
 
-def _native_dir() -> Path:
-    """The folder holding the C declarations: ``native/`` of a source checkout,
-    or the copy installed as the ``streamcoll._native`` package data."""
-    here = Path(__file__).resolve().parent
-    for cand in (here.parent.parent / "native", here.parent / "_native"):
-        if (cand / "nccl.h").is_file():
-            return cand
-    return here.parent.parent / "native"
-
-
-NATIVE_DIR = _native_dir()
+NATIVE_DIR = Path(__file__).resolve().parent.parent / "_native"
+"""The C declarations cffi parses (``streamcoll/_native/*.h``). They are
+package data, so a wheel or sdist carries them; the ABI check
+(``native/abi_check.c`` in the source tree) reads these same files."""
 
 
 def read_declarations(name: str) -> str:
-    """The cdef text of ``native/<name>.h``."""
-    return (NATIVE_DIR / f"{name}.h").read_text()
+    """The cdef text of ``streamcoll/_native/<name>.h``.
+
+    A missing file means a broken installation (a wheel built without its
+    package data): say so instead of a bare FileNotFoundError."""
+    path = NATIVE_DIR / f"{name}.h"
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"streamcoll's C declarations {path} are missing: this installation of streamcoll is "
+            "incomplete (reinstall it from a wheel or sdist that carries streamcoll/_native/*.h)"
+        ) from None
 
 
 def enum_values(ffi: cffi.FFI, enum_ctype: str) -> Dict[str, int]:
@@ -181,7 +184,7 @@ class Binding:
         try:
             return self.constants[name]
         except KeyError:
-            raise KeyError(f"{name} is not an enumerator in native/{self.declarations}.h") from None
+            raise KeyError(f"{name} is not an enumerator in streamcoll/_native/{self.declarations}.h") from None
 
     def is_available(self) -> bool:
         """Whether the library loads; never raises."""

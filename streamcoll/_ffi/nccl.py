@@ -1,6 +1,6 @@
 """cffi binding (ABI mode) to NCCL, ``libnccl.so.2``.
 
-Declarations: ``native/nccl.h`` (NCCL 2.32.3). Functions newer than the loaded
+Declarations: ``streamcoll/_native/nccl.h`` (NCCL 2.32.3). Functions newer than the loaded
 library resolve lazily and fail when called, naming the version they need.
 
 Library search order (first that loads and exports ``ncclGetVersion``):

@@ -1,6 +1,6 @@
 """cffi binding (ABI mode) to oneCCL's NCCL-like C API, ``libccl.so.2``.
 
-Declarations: ``native/oneccl.h`` (oneCCL 2022.2.0 headers). The stream
+Declarations: ``streamcoll/_native/oneccl.h`` (oneCCL 2022.2.0 headers). The stream
 argument of every collective is ``void*``: a ``sycl::queue*`` for Intel GPU
 buffers, NULL for host buffers (then the call returns after completion).
 
@@ -44,7 +44,7 @@ class _Oneccl(Binding):
     error_string_symbol = "onecclGetErrorString"
     last_error_symbol = "onecclGetLastError"
     error_class = OnecclError
-    # Every function in native/oneccl.h is in 2022.2.0, the first release with
+    # Every function in _native/oneccl.h is in 2022.2.0, the first release with
     # the C API.
     min_versions = {}
 
