@@ -253,7 +253,7 @@ _EXCEPTIONS = [
     OnecclError("oneccl", "onecclAllReduce", 11, "onecclPluginException", "Unknown error code",
                 "Unsupported onecclDataType_t value"),
     LibraryError("nccl", "ncclSend", 2, "ncclSystemError"),
-    LibraryNotFoundError("oneccl", ["$X: not set", "system loader: libccl.so.2: nope"], "bash scripts/setup.sh"),
+    LibraryNotFoundError("oneccl", ["$X: not set", "system loader: libccl.so.2: nope"], "python -m streamcoll install-runtime"),
     FunctionNotFoundError("nccl", "ncclGather", "2.27.1", "2.28"),
     CollectiveTimeout("all_reduce", 7, 2.5, [(4, 4)], rank=1, size=3, detail="rank 2 never arrived"),
     CommunicatorError("communicator was destroyed"),

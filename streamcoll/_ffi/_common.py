@@ -169,6 +169,11 @@ class Binding:
                 except (OSError, AttributeError) as e:
                     tried.append(f"{desc}: {path}: {e}")
                     continue
+                why = self.verify(raw, path)
+                if why:
+                    tried.append(f"{desc}: {path}: rejected: {why}")
+                    self._close(raw)
+                    continue
                 self._raw = raw
                 self.path = _resolved_path(path, self.soname)
                 tried.append(f"{desc}: {path}: loaded")
@@ -179,6 +184,32 @@ class Binding:
             self._error = LibraryNotFoundError(self.name, tried, self.install_hint)
             raise self._error
 
+    def verify(self, raw, path: str) -> str:
+        """Why the freshly opened candidate ``raw`` would not work ('' when
+        it does). Exporting the version function is not enough: oneCCL's
+        front library exports it and still fails every call when its plugin
+        does not load. The base check calls it and wants success and a
+        version; subclasses add what their library needs."""
+        v = self.ffi.new("int *")
+        try:
+            rc = getattr(raw, self.probe_symbol)(v)
+        except Exception as e:  # pragma: no cover - a C call does not raise
+            return f"{self.probe_symbol} failed: {type(e).__name__}: {e}"
+        if rc != 0:
+            return f"{self.probe_symbol} returned {self.code_name(rc)}"
+        if v[0] <= 0:
+            return f"{self.probe_symbol} gave version {v[0]}"
+        return ""
+
+    def _close(self, raw) -> None:
+        """Let go of a rejected candidate. glibc may keep it mapped (a C++
+        library with unique symbols cannot be unloaded); it is never called
+        again, and libraries found later load by path beside it."""
+        try:
+            self.ffi.dlclose(raw)
+        except Exception:
+            pass
+
     def const(self, name: str) -> int:
         """The value of enumerator ``name`` from the declarations."""
         try:
@@ -187,7 +218,9 @@ class Binding:
             raise KeyError(f"{name} is not an enumerator in streamcoll/_native/{self.declarations}.h") from None
 
     def is_available(self) -> bool:
-        """Whether the library loads; never raises."""
+        """Whether a candidate loads and passes :meth:`verify`; never raises.
+        It is the search :meth:`lib` runs for a communicator, cached, so the
+        answer agrees with what creating one would find."""
         try:
             self.lib()
             return True
