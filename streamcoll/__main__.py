@@ -1,4 +1,5 @@
 """``python -m streamcoll info``: what streamcoll finds on this machine.
+(``python -m streamcoll install-runtime``: see streamcoll/install.py.)
 
 For each native library: the file it loaded, its version, and every place
 looked, in search order, with why each was passed over (missing, not
@@ -137,9 +138,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m streamcoll", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("info", help="libraries found, versions, places looked, environment")
+    from . import install
+    install.add_arguments(sub.add_parser(
+        "install-runtime", help=f"assemble the oneCCL {install.ONECCL_VERSION} CPU runtime into the cache and check it",
+        description=install.__doc__.split("\n")[0]))
     args = parser.parse_args(argv)
     if args.command in (None, "info"):
         return info()
+    if args.command == "install-runtime":
+        return install.run(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 
