@@ -135,13 +135,16 @@ def info(out: Optional[TextIO] = None) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m streamcoll", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m streamcoll",
+        description="info: what streamcoll finds on this machine (the default); "
+                    "install-runtime: the oneCCL CPU runtime into streamcoll's cache.")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("info", help="libraries found, versions, places looked, environment")
     from . import install
     install.add_arguments(sub.add_parser(
         "install-runtime", help=f"assemble the oneCCL {install.ONECCL_VERSION} CPU runtime into the cache and check it",
-        description=install.__doc__.split("\n")[0]))
+        description=install.DESCRIPTION))
     args = parser.parse_args(argv)
     if args.command in (None, "info"):
         return info()

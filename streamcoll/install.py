@@ -54,6 +54,9 @@ ONECCL_VERSION = "2022.2.0"
 MPICH_VERSION = "5.0.2"
 LIBFABRIC_MODES = ("auto", "system", "pip")
 APT_COMMAND = "sudo apt-get install -y libfabric1"
+DESCRIPTION = (f"Assemble the oneCCL {ONECCL_VERSION} CPU runtime from the package index into "
+               "$STREAMCOLL_HOME/oneccl (default ~/.cache/streamcoll/oneccl) and check it with a "
+               "one-rank communicator. Idempotent.")
 
 # (project, files taken from its <prefix>/ data: a name ending in "/" is a folder)
 _PARTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
@@ -308,7 +311,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m streamcoll
     """The command line; the exit code (0: installed and verified)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     add_arguments(p)
     args = p.parse_args(argv)
     return run(args)
