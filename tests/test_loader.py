@@ -438,3 +438,35 @@ def test_info_exits_0_when_the_declarations_are_missing(tmp_path):
     for name in ("oneccl", "nccl"):
         assert (f"{name}:\n  status: ERROR (the binding does not import) FileNotFoundError: "
                 f"streamcoll's C declarations {pkg}/_native/{name}.h are missing") in r.stdout
+
+
+@needs_oneccl
+def test_a_broken_venv_copy_does_not_shadow_the_working_runtime(tmp_path, good_runtime):
+    """The reported set-up: ``pip install --no-deps oneccl oneccl-cpu`` into a
+    venv leaves a libccl.so.2 whose plugin needs libsycl in ``<venv>/lib``,
+    searched before streamcoll's runtime. It is rejected there and the
+    runtime in ``$STREAMCOLL_HOME`` is taken."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
+                   check=True, timeout=120)
+    bad = _broken(tmp_path, good_runtime, "sycl")
+    for f in bad.iterdir():
+        shutil.copy2(f, venv / "lib" / f.name)
+    home = tmp_path / "sc"
+    (home / "oneccl").mkdir(parents=True)
+    (home / "oneccl" / "lib").symlink_to(good_runtime / "lib", target_is_directory=True)
+    env = _nowhere(tmp_path)
+    env.pop("STREAMCOLL_ONECCL_LIBRARY")
+    env["STREAMCOLL_HOME"] = str(home)
+    script = _INIT_ONE_RANK + (
+        "\nimport base64 as _b, pickle as _p\n"
+        f"print({_MARK!r} + _b.b64encode(_p.dumps(result)).decode())\n")
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", script], env=env, capture_output=True, text=True,
+                       timeout=120, cwd=str(tmp_path))
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith(_MARK)), None)
+    assert line is not None, r.stdout[-3000:] + r.stderr[-3000:]
+    res = pickle.loads(base64.b64decode(line[len(_MARK):]))
+    rejected = [t for t in res["tried"] if t.startswith(f"wheel prefix {venv}: ")]
+    assert len(rejected) == 1 and ": rejected: " in rejected[0] and "SYCL build" in rejected[0], res["tried"]
+    assert res["tried"][-1] == f"streamcoll runtime: {home}/oneccl/lib/libccl.so.2: loaded"
+    assert res["available"] is True and res["sum"] == [3.0] * 4
