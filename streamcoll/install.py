@@ -34,6 +34,7 @@ downloaded again, and the check runs each time.
 """
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import os
@@ -309,15 +310,14 @@ def install_runtime(home: Optional[os.PathLike] = None, libfabric: str = "auto",
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m streamcoll install-runtime") -> int:
     """The command line; the exit code (0: installed and verified)."""
-    import argparse
-
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     add_arguments(p)
     args = p.parse_args(argv)
     return run(args)
 
 
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options, shared by this module's ``main`` and ``python -m streamcoll``."""
     p.add_argument("--home", default=None,
                    help="where to put oneccl/ (default: $STREAMCOLL_HOME, else ~/.cache/streamcoll)")
     p.add_argument("--libfabric", choices=LIBFABRIC_MODES, default="auto",
@@ -325,7 +325,8 @@ def add_arguments(p) -> None:
     p.add_argument("--force", action="store_true", help="download and assemble again even if complete")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
+    """Install with the parsed options, print the summary line; the exit code."""
     try:
         rt = install_runtime(args.home, libfabric=args.libfabric, force=args.force)
     except InstallError as e:
@@ -344,3 +345,7 @@ def _check_command(root: Path) -> str:
     if root == runtime_home().expanduser().absolute() / "oneccl":
         return "python -m streamcoll info"
     return f"STREAMCOLL_HOME={root.parent} python -m streamcoll info"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -205,7 +205,7 @@ def test_a_user_installs_the_wheel_and_runs_a_job(tmp_path):
     info = _timed("info", times, lambda: sh([py, "-m", "streamcoll", "info"], env, work))
     one = info.stdout.split("\noneccl:\n", 1)[1].split("\nnccl:\n", 1)[0]
     assert "status: loaded" in one and f"path: {cache}/lib/libccl.so.2" in one, info.stdout
-    assert f"streamcoll 0" in info.stdout and str(venv) in info.stdout.splitlines()[0]
+    assert "streamcoll 0" in info.stdout and str(venv) in info.stdout.splitlines()[0]
 
     # 4. A 2-rank job from a folder outside the repo.
     (work / "job.py").write_text(_JOB)
