@@ -70,6 +70,7 @@ def _install_runtime(home: Path, *args: str, python: str = sys.executable) -> su
 
 
 # ---- install-runtime on its own --------------------------------------------------
+@pytest.mark.timeout(900)
 def test_install_runtime_assembles_checks_is_idempotent_and_can_bundle_libfabric(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
@@ -173,6 +174,9 @@ def _timed(label: str, times: Dict[str, float], fn):
     return out
 
 
+# About 2-3 minutes on an idle 2-core machine; 5+ when others load it (the
+# pip install of torch dominates), so more than the suite's 300 s default.
+@pytest.mark.timeout(1500)
 def test_a_user_installs_the_wheel_and_runs_a_job(tmp_path):
     times: Dict[str, float] = {}
     home, work = tmp_path / "home", tmp_path / "work"
@@ -193,7 +197,10 @@ def test_a_user_installs_the_wheel_and_runs_a_job(tmp_path):
     _timed("venv", times, lambda: sh([sys.executable, "-m", "venv", venv], base, tmp_path))
     py, bindir = venv / "bin" / "python", venv / "bin"
     env = clean_env(home, path_first=bindir)
-    _timed("pip install", times, lambda: sh([py, "-m", "pip", "install", "-q", "torch==2.13.0", wheels[0]], env, work))
+    # --no-compile: byte-compiling torch's thousands of files is most of the
+    # install's time on a loaded machine, and not what this job tests.
+    _timed("pip install", times, lambda: sh([py, "-m", "pip", "install", "-q", "--no-compile", "torch==2.13.0",
+                                             wheels[0]], env, work))
     where = sh([py, "-c", "import streamcoll, sys; print(streamcoll.__file__); print(sys.path)"], env, work).stdout
     assert where.startswith(str(venv)), where
     assert str(REPO) not in where and "/work/main" not in where, where
