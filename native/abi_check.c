@@ -5,7 +5,7 @@
  * library's REAL installed header, as C (gcc) or C++ (g++; oneCCL's
  * oneapi/ccl/v2/types.h includes <cstddef>). It prints what the compiler
  * computes for every item cffi relies on, one "kind key value" line each;
- * the Python side compares them with cffi's values from native/<lib>.h.
+ * the Python side compares them with cffi's values from streamcoll/_native/<lib>.h.
  *
  *   -DABI_HEADER=<nccl.h>                the real header
  *   -DABI_VERSION_MACRO=NCCL_VERSION_CODE  printed as "version header N"

@@ -5,12 +5,12 @@
 #   - torch (2.13.0 where no torch is installed; an existing torch is kept)
 #   - the Python packages (numpy, cffi, pytest, ..., NCCL's wheel for the
 #     binding tests and its header, CUDA runtime headers for the ABI check)
-#   - the oneCCL CPU runtime, assembled from three wheels into
-#     $STREAMCOLL_HOME/oneccl (default ~/.cache/streamcoll/oneccl):
-#     libccl.so.1 from oneccl-cpu, libccl.so.2 + libccl_legacy_cpu.so from
-#     oneccl, headers from oneccl-cpu-devel. (`pip install oneccl` fails: it
-#     requires libfabric>=2.6, which PyPI does not have.)
-#   - streamcoll itself, editable, so spawned ranks and torchrun import it.
+#   - the oneCCL CPU runtime in $STREAMCOLL_HOME/oneccl (default
+#     ~/.cache/streamcoll/oneccl), by `python -m streamcoll install-runtime`
+#     (streamcoll/install.py: the one implementation, which users run too)
+#   - streamcoll itself, editable, so spawned ranks and torchrun import it
+#     (with setuptools >= 70.1 or `wheel`: older setuptools cannot build an
+#     editable install without `wheel`, and a fresh venv has neither).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -51,6 +51,18 @@ if not has("nvidia/nccl/lib/libnccl.so.2"): missing.append("nvidia-nccl-cu12==2.
 if not has("nvidia/cuda_runtime/include/cuda_runtime.h"): missing.append("nvidia-cuda-runtime-cu12")
 if not has("nvidia/cuda_nvcc/include/crt/host_config.h"): missing.append("nvidia-cuda-nvcc-cu12")
 if not has("nvidia/cuda_cccl/include/nv/target"): missing.append("nvidia-cuda-cccl-cu12")
+# The editable install below runs without build isolation: it needs
+# setuptools >= 64 here, and `wheel` where setuptools is older than 70.1
+# ("invalid command 'bdist_wheel'" otherwise; a fresh 3.11 venv has 65.5).
+try:
+    import setuptools
+    st = tuple(int(x) for x in setuptools.__version__.split(".")[:2])
+except Exception:
+    st = (0, 0)
+if st < (64, 0):
+    missing.append("setuptools>=70.1")
+elif st < (70, 1) and importlib.util.find_spec("wheel") is None:
+    missing.append("wheel")
 print(" ".join(missing))
 PYEOF
 read -r -a need < /tmp/streamcoll-missing.$$ || true
@@ -60,43 +72,12 @@ if [ "${#need[@]}" -gt 0 ]; then
   "$PY" -m pip install -q "${need[@]}"
 fi
 
-# 4. The oneCCL CPU runtime.
+# 4. The oneCCL CPU runtime: the same command a user runs (from this checkout:
+#    `python -m` imports ./streamcoll). It downloads only what is missing and
+#    checks the result with a one-rank communicator.
 if [ ! -f "$RT/.complete-$ONECCL_VERSION" ]; then
-  say "assembling the oneCCL $ONECCL_VERSION CPU runtime in $RT"
-  tmp="$(mktemp -d)"
-  trap 'rm -rf "$tmp"' EXIT
-  "$PY" -m pip download -q --no-deps -d "$tmp/w" \
-      "oneccl==$ONECCL_VERSION" "oneccl-cpu==$ONECCL_VERSION" "oneccl-cpu-devel==$ONECCL_VERSION" \
-      2> >(grep -v "is ignored: it is neither" >&2)
-  "$PY" - "$tmp/w" "$RT" "$ONECCL_VERSION" <<'PYEOF'
-import glob, os, shutil, sys, zipfile
-src, rt, ver = sys.argv[1:]
-pick = {
-    "oneccl_cpu-": ["lib/libccl.so.1"],
-    "oneccl-": ["lib/libccl.so.2", "lib/libccl_legacy_cpu.so"],
-    "oneccl_cpu_devel-": ["include/"],
-}
-os.makedirs(os.path.join(rt, "lib"), exist_ok=True)
-for whl in glob.glob(os.path.join(src, "*.whl")):
-    base = os.path.basename(whl)
-    for prefix, wanted in pick.items():
-        if not base.startswith(prefix) or (prefix == "oneccl-" and base.startswith("oneccl_")):
-            continue
-        with zipfile.ZipFile(whl) as z:
-            for name in z.namelist():
-                if ".data/data/" not in name or name.endswith("/"):
-                    continue
-                rel = name.split(".data/data/", 1)[1]
-                if any(rel == w or (w.endswith("/") and rel.startswith(w)) for w in wanted):
-                    dest = os.path.join(rt, rel)
-                    os.makedirs(os.path.dirname(dest), exist_ok=True)
-                    with z.open(name) as f, open(dest, "wb") as g:
-                        shutil.copyfileobj(f, g)
-for need in ("lib/libccl.so.1", "lib/libccl.so.2", "lib/libccl_legacy_cpu.so", "include/oneapi/ccl.h"):
-    if not os.path.exists(os.path.join(rt, need)):
-        sys.exit(f"setup: {need} missing from the oneCCL wheels")
-open(os.path.join(rt, f".complete-{ver}"), "w").write("ok\n")
-PYEOF
+  say "python -m streamcoll install-runtime (into $RT)"
+  "$PY" -m streamcoll install-runtime --home "$RT_HOME"
 fi
 
 # 5. streamcoll itself (editable).

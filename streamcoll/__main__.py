@@ -1,8 +1,11 @@
 """``python -m streamcoll info``: what streamcoll finds on this machine.
+(``python -m streamcoll install-runtime``: see streamcoll/install.py.)
 
 For each native library: the file it loaded, its version, and every place
-looked, in search order, with why each was passed over (or, where nothing
-loads, the error a collective would raise, with the install command). Then
+looked, in search order, with why each was passed over (missing, not
+loadable, or rejected by the binding's check that it works) and the places
+after the one taken (or, where nothing loads, the error a collective would
+raise, with the install command). Then
 the environment variables that steer streamcoll, NCCL and oneCCL, and the
 defaults streamcoll would apply when it creates a communicator (only for
 variables not already set). Always exits 0: it is the command to run when
@@ -11,6 +14,7 @@ something does not load.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from typing import List, Optional, TextIO
@@ -21,7 +25,7 @@ def _library_report(binding, out: TextIO) -> None:
 
     w = out.write
     w(f"{binding.name}:\n")
-    w(f"  declarations: native/{binding.declarations}.h ({binding.name} {binding.declared_version})\n")
+    w(f"  declarations: streamcoll/_native/{binding.declarations}.h ({binding.name} {binding.declared_version})\n")
     try:
         binding.lib()
     except LibraryNotFoundError as e:
@@ -89,8 +93,6 @@ def info(out: Optional[TextIO] = None) -> int:
     out = out if out is not None else sys.stdout
 
     from . import __version__, env
-    from ._ffi.nccl import NCCL
-    from ._ffi.oneccl import ONECCL
 
     w = out.write
     here = os.path.dirname(os.path.abspath(__file__))
@@ -102,7 +104,12 @@ def info(out: Optional[TextIO] = None) -> int:
     except Exception as e:  # pragma: no cover - torch is a dependency
         versions.append(f"torch: {type(e).__name__}: {e}")
     w("  " + ", ".join(versions) + "\n\n")
-    for binding in (ONECCL, NCCL):
+    for name in ("oneccl", "nccl"):
+        try:
+            binding = importlib.import_module(f"streamcoll._ffi.{name}").binding
+        except Exception as e:  # declarations missing or unparsable: report, exit 0
+            w(f"{name}:\n  status: ERROR (the binding does not import) {type(e).__name__}: {e}\n\n")
+            continue
         _library_report(binding, out)
         w("\n")
 
@@ -128,12 +135,21 @@ def info(out: Optional[TextIO] = None) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m streamcoll", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m streamcoll",
+        description="info: what streamcoll finds on this machine (the default); "
+                    "install-runtime: the oneCCL CPU runtime into streamcoll's cache.")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("info", help="libraries found, versions, places looked, environment")
+    from . import install
+    install.add_arguments(sub.add_parser(
+        "install-runtime", help=f"assemble the oneCCL {install.ONECCL_VERSION} CPU runtime into the cache and check it",
+        description=install.DESCRIPTION))
     args = parser.parse_args(argv)
     if args.command in (None, "info"):
         return info()
+    if args.command == "install-runtime":
+        return install.run(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

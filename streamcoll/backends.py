@@ -2,7 +2,7 @@
 and reduction tables, and which reductions each library lacks (so the
 Communicator applies a fallback or raises, never returns a wrong answer).
 
-Enum values are read from the cffi declarations (``native/*.h``), never
+Enum values are read from the cffi declarations (``streamcoll/_native/*.h``), never
 retyped here.
 """
 from __future__ import annotations

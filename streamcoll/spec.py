@@ -5,7 +5,7 @@ Each collective is declared once, here, as a :class:`CollectiveSpec` made by
 (:class:`ParamSpec`: buffers with their role, ranks, the reduction, split
 sizes), which C function each library has for it (``c``), how the C call's
 arguments follow from the parameters (the argument *order* is read from the
-declarations in ``native/*.h`` by parameter name, see :func:`c_roles`), the
+declarations in ``streamcoll/_native/*.h`` by parameter name, see :func:`c_roles`), the
 planner used where a library lacks the function (grouped Send/Recv, a flat
 buffer and an unpack, oneCCL's reduce scratch buffer, AlltoAllV), the post-op
 (AVG/PREMUL emulation), what the debug fingerprint compares, the shape of a
@@ -255,7 +255,7 @@ _ROLES_CACHE: Dict[Tuple[str, str], Tuple[str, ...]] = {}
 
 def c_roles(declarations: str, cname: str) -> Tuple[str, ...]:
     """The roles of ``cname``'s parameters, in the order the C declaration
-    (``declarations``: the text of ``native/<lib>.h``) has them, e.g.
+    (``declarations``: the text of ``streamcoll/_native/<lib>.h``) has them, e.g.
     ``("send", "recv", "count", "dtype", "op", "comm", "stream")``. Read from
     the header's parameter names, so the order is never retyped here."""
     key = (declarations[:64] + str(len(declarations)), cname)

@@ -1,4 +1,4 @@
-"""The ABI check: streamcoll's cffi declarations (native/*.h) against the
+"""The ABI check: streamcoll's cffi declarations (streamcoll/_native/*.h) against the
 real installed headers, compiled by gcc/g++ through native/abi_check.c.
 
 Every size, alignment, field offset, field size and type, enum signedness,
@@ -31,7 +31,7 @@ from streamcoll._ffi.nccl import NCCL
 from streamcoll._ffi.oneccl import ONECCL
 
 BINDINGS = {"nccl": NCCL, "oneccl": ONECCL}
-# Version code of the header each native/*.h was written from.
+# Version code of the header each _native/*.h was written from.
 DECLARED_CODE = {"nccl": 23203, "oneccl": 20220200}
 CASES = [("nccl", "c"), ("nccl", "c++"), ("oneccl", "c++")]
 
@@ -71,7 +71,7 @@ def _real_check(lib: str, lang: str):
 @pytest.mark.parametrize("lib,lang", CASES, ids=[f"{l}-{g}" for l, g in CASES])
 def test_declarations_match_the_real_header(lib, lang):
     bad, plan, measured = _real_check(lib, lang)
-    assert bad == [], f"{len(bad)} ABI mismatches between native/{lib}.h and the real header:\n" + "\n".join(bad)
+    assert bad == [], f"{len(bad)} ABI mismatches between streamcoll/_native/{lib}.h and the real header:\n" + "\n".join(bad)
     # Everything cffi relies on was measured, not just a sample.
     assert all(it.id in measured for it in plan.items)
     decls = BINDINGS[lib].ffi._parser._declarations
@@ -85,7 +85,7 @@ def test_declarations_match_the_real_header(lib, lang):
 def test_header_is_the_declared_version(lib, lang):
     _, _, measured = _real_check(lib, lang)
     assert measured["version header"] == DECLARED_CODE[lib], (
-        f"the {lib} header found is version {measured['version header']}; native/{lib}.h declares "
+        f"the {lib} header found is version {measured['version header']}; streamcoll/_native/{lib}.h declares "
         f"{BINDINGS[lib].declared_version} ({DECLARED_CODE[lib]})"
     )
 
@@ -136,7 +136,7 @@ def test_a_wrong_declaration_is_reported(case, tmp_path):
     _, lib, lang, old, new, expected = case
     h = need_headers(lib, lang)
     text = read_declarations(lib)
-    assert text.count(old) == 1, f"mutation anchor not found once in native/{lib}.h: {old!r}"
+    assert text.count(old) == 1, f"mutation anchor not found once in streamcoll/_native/{lib}.h: {old!r}"
     bad, _, _ = abi.check(_ffi(text.replace(old, new)), h, lang)
     reported = {b.split(":", 1)[0] for b in bad}
     assert reported == expected, bad

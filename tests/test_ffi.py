@@ -217,14 +217,14 @@ def test_enum_values_come_from_the_declarations():
     assert NCCL.const("ncclAvg") == 4
     assert ONECCL.const("onecclMin") == 3 and ONECCL.const("onecclMax") == 2
     assert ONECCL.const("onecclLegacyCPU") == 0xBAAAAAAE
-    # The tables are exactly what cffi parsed from native/*.h.
+    # The tables are exactly what cffi parsed from streamcoll/_native/*.h.
     for b in (NCCL, ONECCL):
         merged = {}
         for tname in b.ffi.list_types()[0]:
             if b.ffi.typeof(tname).kind == "enum":
                 merged.update(enum_values(b.ffi, tname))
         assert b.constants == merged and len(merged) > 40
-    with pytest.raises(KeyError, match="ncclNoSuchThing is not an enumerator in native/nccl.h"):
+    with pytest.raises(KeyError, match="ncclNoSuchThing is not an enumerator in streamcoll/_native/nccl.h"):
         NCCL.const("ncclNoSuchThing")
 
 
@@ -253,7 +253,7 @@ _EXCEPTIONS = [
     OnecclError("oneccl", "onecclAllReduce", 11, "onecclPluginException", "Unknown error code",
                 "Unsupported onecclDataType_t value"),
     LibraryError("nccl", "ncclSend", 2, "ncclSystemError"),
-    LibraryNotFoundError("oneccl", ["$X: not set", "system loader: libccl.so.2: nope"], "bash scripts/setup.sh"),
+    LibraryNotFoundError("oneccl", ["$X: not set", "system loader: libccl.so.2: nope"], "python -m streamcoll install-runtime"),
     FunctionNotFoundError("nccl", "ncclGather", "2.27.1", "2.28"),
     CollectiveTimeout("all_reduce", 7, 2.5, [(4, 4)], rank=1, size=3, detail="rank 2 never arrived"),
     CommunicatorError("communicator was destroyed"),

@@ -13,6 +13,7 @@ import base64
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -125,7 +126,8 @@ result["maps"] = "libccl.so" in open("/proc/self/maps").read()
     msg = str(e)
     assert "could not load the oneccl library; tried, in order:" in msg
     assert all(f"{i}. {t}" in msg for i, t in enumerate(e.tried, 1))
-    assert "install it with: bash scripts/setup.sh" in msg and e.hint in msg
+    assert "install it with: python -m streamcoll install-runtime" in msg and e.hint in msg
+    assert "setup.sh" not in msg and "pip install" not in msg  # never a recipe for a broken runtime
     assert res["same_again"] is True  # cached: the search runs once
     assert res["available"] is False and res["maps"] is False
 
@@ -290,4 +292,181 @@ def test_info_without_libraries_prints_the_error_and_exits_0(tmp_path):
     one = r.stdout.split("\noneccl:\n", 1)[1].split("\nnccl:\n", 1)[0]
     assert "status: NOT FOUND" in one
     assert "1. $STREAMCOLL_ONECCL_LIBRARY: /nonexistent/libccl.so.2: no such file" in one
-    assert "install it with: bash scripts/setup.sh" in one
+    assert "install it with: python -m streamcoll install-runtime" in one
+
+
+# ---- candidates that load but do not work: rejected with the reason -------------
+# Real files, no mocks: copies of the working runtime's libraries with one
+# part missing or replaced by a real shared library built here that fails the
+# way the broken set-ups seen in the wild fail.
+def _gcc_shared(out: Path, soname: str, needed=()) -> None:
+    """Build a real (empty) shared library ``out`` with ``soname`` that
+    NEEDs the given library files (by their sonames)."""
+    cmd = ["gcc", "-shared", "-fPIC", "-o", str(out), f"-Wl,-soname,{soname}", "-Wl,--no-as-needed"]
+    cmd += [str(n) for n in needed] + ["-x", "c", "-"]  # the source last: -x applies to what follows
+    r = subprocess.run(cmd, input="int streamcoll_test_stub;\n", capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def _needs_gcc() -> None:
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc to build the broken stand-in libraries")
+
+
+@pytest.fixture(scope="module")
+def good_runtime(tmp_path_factory) -> Path:
+    """A ``CCL_ROOT`` whose ``lib`` is the working runtime the suite uses."""
+    if not oneccl_mod.ONECCL.is_available():
+        pytest.skip("oneCCL not loadable: no working runtime to copy parts of")
+    real = Path(oneccl_mod.ONECCL.path).parent
+    for part in ("libccl.so.1", "libccl.so.2", "libccl_legacy_cpu.so"):
+        if not (real / part).exists():
+            pytest.skip(f"the loaded oneCCL ({real}) is not a CPU working set: no {part}")
+    root = tmp_path_factory.mktemp("good")
+    (root / "lib").symlink_to(real, target_is_directory=True)
+    return root
+
+
+def _broken(tmp_path: Path, good_runtime: Path, kind: str) -> Path:
+    """A folder holding a libccl.so.2 that does not work, ``kind`` saying why."""
+    real = good_runtime / "lib"
+    d = tmp_path / f"broken-{kind}"
+    d.mkdir()
+    shutil.copy2(real / "libccl.so.2", d)
+    if kind == "front-only":  # libccl.so.2 alone: no plugin to dispatch to
+        return d
+    shutil.copy2(real / "libccl_legacy_cpu.so", d)
+    _needs_gcc()
+    stub = tmp_path / "stub"
+    stub.mkdir(exist_ok=True)
+    if kind == "sycl":  # the oneccl wheel's libccl.so.1 needs Intel's libsycl.so.9
+        _gcc_shared(stub / "libsycl.so.9", "libsycl.so.9")
+        _gcc_shared(d / "libccl.so.1", "libccl.so.1", [stub / "libsycl.so.9"])
+    elif kind == "libfabric":  # everything but a transport library that loads
+        shutil.copy2(real / "libccl.so.1", d)
+        _gcc_shared(stub / "libfi_gone.so.1", "libfi_gone.so.1")
+        _gcc_shared(d / "libfabric.so.1", "libfabric.so.1", [stub / "libfi_gone.so.1"])
+    else:
+        raise ValueError(kind)
+    shutil.rmtree(stub)  # what the stand-ins need is now missing
+    return d
+
+
+_INIT_ONE_RANK = """
+import torch, streamcoll
+from streamcoll._ffi.oneccl import ONECCL
+result = {"available": streamcoll.is_available("oneccl"), "tried": list(ONECCL.tried), "path": ONECCL.path}
+comm = streamcoll.new_communicator(backend="oneccl", device="cpu", rank=0, world_size=1,
+                                   store=torch.distributed.HashStore())
+t = torch.full((4,), 3.0)
+comm.all_reduce(t)
+result["sum"] = t.tolist()
+comm.destroy()
+"""
+
+_REASONS = {
+    "front-only": ["onecclGetVersion returned", "no oneCCL plugin loads", "no plugin (libccl_legacy_cpu.so) beside it",
+                   "python -m streamcoll install-runtime"],
+    "sycl": ["no oneCCL plugin loads", "libsycl.so.9: cannot open shared object file", "SYCL build",
+             "python -m streamcoll install-runtime"],
+    "libfabric": ["libfabric.so.1 does not load", "libfi_gone.so.1"],
+}
+
+
+@needs_oneccl
+@pytest.mark.parametrize("kind", sorted(_REASONS))
+def test_a_candidate_that_loads_but_cannot_work_is_rejected_and_the_search_goes_on(kind, tmp_path, good_runtime):
+    bad = _broken(tmp_path, good_runtime, kind)
+    env = _nowhere(tmp_path)
+    env.update({"STREAMCOLL_ONECCL_LIBRARY": str(bad), "CCL_ROOT": str(good_runtime)})
+    res = run_child(_INIT_ONE_RANK, env=env, bare=False)
+    first = res["tried"][0]
+    assert first.startswith(f"$STREAMCOLL_ONECCL_LIBRARY: {bad}/libccl.so.2: rejected: "), first
+    for phrase in _REASONS[kind]:
+        assert phrase in first, (phrase, first)
+    # The next working place is taken, and is_available() agrees with init().
+    assert res["tried"][-1] == f"$CCL_ROOT/lib: {good_runtime}/lib/libccl.so.2: loaded"
+    assert res["available"] is True and res["sum"] == [3.0] * 4
+
+
+@needs_oneccl
+def test_only_broken_candidates_mean_not_available_and_init_raises_the_reasons(tmp_path, good_runtime):
+    bad = _broken(tmp_path, good_runtime, "front-only")
+    env = _nowhere(tmp_path)
+    env["STREAMCOLL_ONECCL_LIBRARY"] = str(bad)
+    res = run_child("""
+import torch, streamcoll
+result = {"available": streamcoll.is_available("oneccl")}
+try:
+    streamcoll.new_communicator(backend="oneccl", device="cpu", rank=0, world_size=1,
+                                store=torch.distributed.HashStore())
+except streamcoll.LibraryNotFoundError as e:
+    result["error"] = e
+""", env=env, bare=False)
+    assert res["available"] is False
+    e = res["error"]
+    assert "rejected: onecclGetVersion returned" in e.tried[0]
+    assert "install it with: python -m streamcoll install-runtime" in str(e)
+
+
+@needs_oneccl
+def test_info_shows_the_rejected_candidate_and_why_and_the_one_taken(tmp_path, good_runtime):
+    bad = _broken(tmp_path, good_runtime, "front-only")
+    env = _nowhere(tmp_path)
+    env.update({"STREAMCOLL_ONECCL_LIBRARY": str(bad), "CCL_ROOT": str(good_runtime)})
+    r = _info(env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    one = r.stdout.split("\noneccl:\n", 1)[1].split("\nnccl:\n", 1)[0]
+    assert "status: loaded" in one and "version: 2022.2.0 (20220200)" in one
+    assert f"1. $STREAMCOLL_ONECCL_LIBRARY: {bad}/libccl.so.2: rejected: onecclGetVersion returned" in one
+    assert f": {good_runtime}/lib/libccl.so.2: loaded" in one
+    assert "not reached (after the one loaded):" in one and "system loader" in one.split("not reached", 1)[1]
+
+
+def test_info_exits_0_when_the_declarations_are_missing(tmp_path):
+    """A streamcoll installed without its package data (the bug of the first
+    wheel): info reports it and still exits 0."""
+    pkg = tmp_path / "site" / "streamcoll"
+    shutil.copytree(PKG, pkg, ignore=shutil.ignore_patterns("_native", "__pycache__"))
+    env = _nowhere(tmp_path)
+    env["PYTHONPATH"] = str(tmp_path / "site")
+    r = subprocess.run([sys.executable, "-m", "streamcoll", "info"], env=env, capture_output=True,
+                       text=True, timeout=120, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert str(pkg) in r.stdout
+    for name in ("oneccl", "nccl"):
+        assert (f"{name}:\n  status: ERROR (the binding does not import) FileNotFoundError: "
+                f"streamcoll's C declarations {pkg}/_native/{name}.h are missing") in r.stdout
+
+
+@needs_oneccl
+def test_a_broken_venv_copy_does_not_shadow_the_working_runtime(tmp_path, good_runtime):
+    """The reported set-up: ``pip install --no-deps oneccl oneccl-cpu`` into a
+    venv leaves a libccl.so.2 whose plugin needs libsycl in ``<venv>/lib``,
+    searched before streamcoll's runtime. It is rejected there and the
+    runtime in ``$STREAMCOLL_HOME`` is taken."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
+                   check=True, timeout=120)
+    bad = _broken(tmp_path, good_runtime, "sycl")
+    for f in bad.iterdir():
+        shutil.copy2(f, venv / "lib" / f.name)
+    home = tmp_path / "sc"
+    (home / "oneccl").mkdir(parents=True)
+    (home / "oneccl" / "lib").symlink_to(good_runtime / "lib", target_is_directory=True)
+    env = _nowhere(tmp_path)
+    env.pop("STREAMCOLL_ONECCL_LIBRARY")
+    env["STREAMCOLL_HOME"] = str(home)
+    script = _INIT_ONE_RANK + (
+        "\nimport base64 as _b, pickle as _p\n"
+        f"print({_MARK!r} + _b.b64encode(_p.dumps(result)).decode())\n")
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", script], env=env, capture_output=True, text=True,
+                       timeout=120, cwd=str(tmp_path))
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith(_MARK)), None)
+    assert line is not None, r.stdout[-3000:] + r.stderr[-3000:]
+    res = pickle.loads(base64.b64decode(line[len(_MARK):]))
+    rejected = [t for t in res["tried"] if t.startswith(f"wheel prefix {venv}: ")]
+    assert len(rejected) == 1 and ": rejected: " in rejected[0] and "SYCL build" in rejected[0], res["tried"]
+    assert res["tried"][-1] == f"streamcoll runtime: {home}/oneccl/lib/libccl.so.2: loaded"
+    assert res["available"] is True and res["sum"] == [3.0] * 4

@@ -18,22 +18,25 @@ from ..errors import FunctionNotFoundError, LibraryNotFoundError
 __all__ = ["NATIVE_DIR", "Binding", "read_declarations", "enum_values"]
 
 
-def _native_dir() -> Path:
-    """The folder holding the C declarations: ``native/`` of a source checkout,
-    or the copy installed as the ``streamcoll._native`` package data."""
-    here = Path(__file__).resolve().parent
-    for cand in (here.parent.parent / "native", here.parent / "_native"):
-        if (cand / "nccl.h").is_file():
-            return cand
-    return here.parent.parent / "native"
-
-
-NATIVE_DIR = _native_dir()
+NATIVE_DIR = Path(__file__).resolve().parent.parent / "_native"
+"""The C declarations cffi parses (``streamcoll/_native/*.h``). They are
+package data, so a wheel or sdist carries them; the ABI check
+(``native/abi_check.c`` in the source tree) reads these same files."""
 
 
 def read_declarations(name: str) -> str:
-    """The cdef text of ``native/<name>.h``."""
-    return (NATIVE_DIR / f"{name}.h").read_text()
+    """The cdef text of ``streamcoll/_native/<name>.h``.
+
+    A missing file means a broken installation (a wheel built without its
+    package data): say so instead of a bare FileNotFoundError."""
+    path = NATIVE_DIR / f"{name}.h"
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"streamcoll's C declarations {path} are missing: this installation of streamcoll is "
+            "incomplete (reinstall it from a wheel or sdist that carries streamcoll/_native/*.h)"
+        ) from None
 
 
 def enum_values(ffi: cffi.FFI, enum_ctype: str) -> Dict[str, int]:
@@ -166,6 +169,11 @@ class Binding:
                 except (OSError, AttributeError) as e:
                     tried.append(f"{desc}: {path}: {e}")
                     continue
+                why = self.verify(raw, path)
+                if why:
+                    tried.append(f"{desc}: {path}: rejected: {why}")
+                    self._close(raw)
+                    continue
                 self._raw = raw
                 self.path = _resolved_path(path, self.soname)
                 tried.append(f"{desc}: {path}: loaded")
@@ -176,15 +184,43 @@ class Binding:
             self._error = LibraryNotFoundError(self.name, tried, self.install_hint)
             raise self._error
 
+    def verify(self, raw, path: str) -> str:
+        """Why the freshly opened candidate ``raw`` would not work ('' when
+        it does). Exporting the version function is not enough: oneCCL's
+        front library exports it and still fails every call when its plugin
+        does not load. The base check calls it and wants success and a
+        version; subclasses add what their library needs."""
+        v = self.ffi.new("int *")
+        try:
+            rc = getattr(raw, self.probe_symbol)(v)
+        except Exception as e:  # pragma: no cover - a C call does not raise
+            return f"{self.probe_symbol} failed: {type(e).__name__}: {e}"
+        if rc != 0:
+            return f"{self.probe_symbol} returned {self.code_name(rc)}"
+        if v[0] <= 0:
+            return f"{self.probe_symbol} gave version {v[0]}"
+        return ""
+
+    def _close(self, raw) -> None:
+        """Let go of a rejected candidate. glibc may keep it mapped (a C++
+        library with unique symbols cannot be unloaded); it is never called
+        again, and libraries found later load by path beside it."""
+        try:
+            self.ffi.dlclose(raw)
+        except Exception:
+            pass
+
     def const(self, name: str) -> int:
         """The value of enumerator ``name`` from the declarations."""
         try:
             return self.constants[name]
         except KeyError:
-            raise KeyError(f"{name} is not an enumerator in native/{self.declarations}.h") from None
+            raise KeyError(f"{name} is not an enumerator in streamcoll/_native/{self.declarations}.h") from None
 
     def is_available(self) -> bool:
-        """Whether the library loads; never raises."""
+        """Whether a candidate loads and passes :meth:`verify`; never raises.
+        It is the search :meth:`lib` runs for a communicator, cached, so the
+        answer agrees with what creating one would find."""
         try:
             self.lib()
             return True

@@ -1,6 +1,6 @@
 """The ABI check's Python half: compares what cffi computes from streamcoll's
-declarations (``native/*.h``) with what a C compiler computes from the real,
-installed header.
+declarations (``streamcoll/_native/*.h``, the package data the binding
+parses) with what a C compiler computes from the real, installed header.
 
 cffi in ABI mode checks nothing: a struct one field short or an enumerator
 with the wrong value is a silent crash or a wrong answer. So this module walks
@@ -40,14 +40,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import cffi
 from cffi import model
 
-from ._common import NATIVE_DIR, prefixes, runtime_home, site_dirs
+from ._common import prefixes, runtime_home, site_dirs
 
 __all__ = [
     "Item", "Plan", "HeaderSet", "AbiCheckError",
     "plan", "compare", "build", "run", "check", "find_headers", "find_compiler",
 ]
 
-SOURCE = NATIVE_DIR / "abi_check.c"
+# The C half lives in the source tree only (a wheel does not need it); the
+# declarations it checks are the package data the binding parses.
+SOURCE = Path(__file__).resolve().parents[2] / "native" / "abi_check.c"
 
 # The header to include and its version macro, per library.
 _HEADER = {"nccl": ("<nccl.h>", "NCCL_VERSION_CODE"), "oneccl": ("<oneapi/ccl.h>", "ONECCL_VERSION_CODE")}

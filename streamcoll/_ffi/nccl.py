@@ -1,9 +1,12 @@
 """cffi binding (ABI mode) to NCCL, ``libnccl.so.2``.
 
-Declarations: ``native/nccl.h`` (NCCL 2.32.3). Functions newer than the loaded
+Declarations: ``streamcoll/_native/nccl.h`` (NCCL 2.32.3). Functions newer than the loaded
 library resolve lazily and fail when called, naming the version they need.
 
-Library search order (first that loads and exports ``ncclGetVersion``):
+A candidate is taken when it loads and its ``ncclGetVersion`` succeeds; one
+that fails is passed over with the reason.
+
+Library search order (the first taken):
 
 1. ``$STREAMCOLL_NCCL_LIBRARY``: a path to ``libnccl.so.2`` or its folder.
 2. A ``libnccl.so.2`` already mapped into this process (torch's CUDA build

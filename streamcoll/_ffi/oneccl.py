@@ -1,10 +1,14 @@
 """cffi binding (ABI mode) to oneCCL's NCCL-like C API, ``libccl.so.2``.
 
-Declarations: ``native/oneccl.h`` (oneCCL 2022.2.0 headers). The stream
+Declarations: ``streamcoll/_native/oneccl.h`` (oneCCL 2022.2.0 headers). The stream
 argument of every collective is ``void*``: a ``sycl::queue*`` for Intel GPU
 buffers, NULL for host buffers (then the call returns after completion).
 
-Library search order (first that loads and exports ``onecclGetVersion``):
+A candidate works when ``onecclGetVersion`` succeeds (it does only once a
+plugin loaded) and ``libfabric.so.1``, the transport, loads; one that fails
+either is rejected with the reason and the search goes on.
+
+Library search order (the first that works):
 
 1. ``$STREAMCOLL_ONECCL_LIBRARY``: a path to ``libccl.so.2`` or its folder.
 2. A ``libccl.so.2`` already mapped into this process (by another binding,
@@ -12,13 +16,18 @@ Library search order (first that loads and exports ``onecclGetVersion``):
 3. Python wheels: ``<prefix>/lib/libccl.so.2`` of this interpreter's
    prefixes (the ``oneccl`` wheel installs its libraries there).
 4. An installed oneAPI: ``$CCL_ROOT/lib``, then ``/opt/intel/oneapi/ccl/latest/lib``.
-5. The runtime streamcoll's set-up assembles (``scripts/setup.sh``):
-   ``$STREAMCOLL_HOME/oneccl/lib`` (default ``~/.cache/streamcoll/oneccl/lib``).
+5. The runtime ``python -m streamcoll install-runtime`` assembles (and
+   ``scripts/setup.sh`` through it): ``$STREAMCOLL_HOME/oneccl/lib``
+   (default ``~/.cache/streamcoll/oneccl/lib``).
 6. The system loader: ``libccl.so.2`` by name (``LD_LIBRARY_PATH``, ldconfig).
 
 On the CPU the C API front dispatches to the plugin ``libccl_legacy_cpu.so``,
 which needs ``libccl.so.1`` from the ``oneccl-cpu`` wheel beside it, and the
-transport needs libfabric (Debian: ``libfabric1``).
+transport needs libfabric (Debian: ``libfabric1``, or the copy from the
+``mpich`` wheel that ``install-runtime`` puts beside ``libccl.so.1``). The
+``oneccl`` wheel's own ``libccl.so.1`` is the SYCL build: without Intel's
+``libsycl.so`` no plugin loads, so ``pip install oneccl oneccl-cpu`` into one
+prefix gives a runtime this search rejects.
 """
 from __future__ import annotations
 
@@ -29,6 +38,12 @@ from typing import List, Tuple
 from ..errors import OnecclError
 from ._common import Binding, _loaded_in_process, prefixes, runtime_home
 
+INSTALL_COMMAND = "python -m streamcoll install-runtime"
+LIBFABRIC = "libfabric.so.1"
+# The plugins libccl.so.2 dispatches to, CPU first (libccl_legacy.so is the
+# GPU one, which needs SYCL).
+PLUGINS = ("libccl_legacy_cpu.so", "libccl_legacy.so")
+
 __all__ = ["ONECCL", "binding"]
 
 
@@ -38,13 +53,14 @@ class _Oneccl(Binding):
     env_var = "STREAMCOLL_ONECCL_LIBRARY"
     declarations = "oneccl"
     declared_version = "2022.2.0"
-    install_hint = "bash scripts/setup.sh  (apt libfabric1 + the oneccl, oneccl-cpu wheels with --no-deps)"
+    install_hint = (f"{INSTALL_COMMAND}   (assembles the oneCCL 2022.2.0 CPU runtime in "
+                    "$STREAMCOLL_HOME/oneccl, default ~/.cache/streamcoll/oneccl, and checks it)")
     probe_symbol = "onecclGetVersion"
     result_enum = "onecclResult_t"
     error_string_symbol = "onecclGetErrorString"
     last_error_symbol = "onecclGetLastError"
     error_class = OnecclError
-    # Every function in native/oneccl.h is in 2022.2.0, the first release with
+    # Every function in _native/oneccl.h is in 2022.2.0, the first release with
     # the C API.
     min_versions = {}
 
@@ -61,6 +77,89 @@ class _Oneccl(Binding):
         out.append(("streamcoll runtime", str(runtime_home() / "oneccl" / "lib" / self.soname)))
         out.append(("system loader", self.soname))
         return out
+
+    def verify(self, raw, path: str) -> str:
+        """'' when this libccl.so.2 works, else why not.
+
+        oneCCL loads its plugin when first called: ``onecclGetVersion``
+        fails and the last error lists each ``dlopen`` tried when none loads
+        (only libccl.so.2 on its own; or the SYCL libccl.so.1 of the
+        ``oneccl`` wheel, which needs libsycl). Then the transport library:
+        without it the front and the plugin load and ``onecclGetUniqueId``
+        fails ("could not initialize the requested transport library"), so
+        a communicator could not be made either."""
+        v = self.ffi.new("int *")
+        rc = raw.onecclGetVersion(v)
+        if rc != 0:
+            return self._plugin_failure(raw, rc, path)
+        if os.environ.get("CCL_ATL_TRANSPORT", "ofi").lower() == "mpi":
+            return ""  # the MPI transport: libfabric is MPI's business
+        return _libfabric_problem(Path(_resolved_dir(path)))
+
+    def _plugin_failure(self, raw, rc: int, path: str) -> str:
+        """Why no plugin loads. oneCCL's last error lists its dlopen tries
+        but is cut at 256 characters, usually before the CPU plugin's line,
+        so each plugin file beside the library is loaded here to get the
+        loader's own reason."""
+        import ctypes
+
+        folder = Path(_resolved_dir(path))
+        why = f"onecclGetVersion returned {self.code_name(rc)}: no oneCCL plugin loads"
+        tries = []
+        for plugin in PLUGINS:
+            f = folder / plugin
+            if not f.exists():
+                continue
+            try:
+                ctypes.CDLL(str(f))
+            except OSError as e:
+                tries.append(f"{f}: {e}")
+            else:  # pragma: no cover - oneCCL could not load it, so neither can we
+                tries.append(f"{f}: loads here, not from oneCCL")
+        if tries:
+            why += f" ({'; '.join(tries)})"
+        else:
+            text = self._cstr(raw.onecclGetLastError(self.ffi.NULL))
+            why += f" ({text.splitlines()[0] if text else 'no message'})"
+            why += f"; no plugin ({PLUGINS[0]}) beside it"
+        if "libsycl" in why:
+            why += ("; its libccl.so.1 is the SYCL build of the oneccl wheel, the CPU one is in "
+                    "oneccl-cpu")
+        return why + f": {INSTALL_COMMAND} assembles a working set"
+
+
+def _resolved_dir(path: str) -> str:
+    """The folder of the library file ``path`` names (by path or by name)."""
+    if os.sep in path:
+        return os.path.dirname(os.path.realpath(path))
+    found = _loaded_in_process(os.path.basename(path))
+    return os.path.dirname(found) if found else ""
+
+
+def _libfabric_problem(folder: Path) -> str:
+    """'' when oneCCL's transport library loads as oneCCL would load it, else
+    why not. oneCCL (libccl.so.1, RUNPATH ``$ORIGIN``) dlopens it by name:
+    ``LD_LIBRARY_PATH``, then the folder of libccl.so.1, then the system's
+    loader cache. Loading it here maps the same file oneCCL would map."""
+    import ctypes
+
+    places = [Path(d) for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    if folder:
+        places.append(folder)
+    for d in places:
+        f = d / LIBFABRIC
+        if f.exists():
+            try:
+                ctypes.CDLL(str(f))
+                return ""
+            except OSError as e:
+                return f"{f} does not load: {e}"
+    try:
+        ctypes.CDLL(LIBFABRIC)
+        return ""
+    except OSError as e:
+        return (f"{LIBFABRIC} (oneCCL's transport) not found ({e}): run {INSTALL_COMMAND} "
+                "(it adds a libfabric from the mpich wheel), or: sudo apt-get install -y libfabric1")
 
 
 binding = ONECCL = _Oneccl()
