@@ -315,7 +315,12 @@ class Watchdog:
         elif not comm._gpu:
             skip_native_teardown()
 
-    def _fire_guard(self, what: str, timeout: float, detail: str, age: float) -> None:
+    def _fire_guard(self, what: str, timeout: float, detail: Any, age: float) -> None:
+        if callable(detail):  # computed now, when the facts are in (which ranks finished)
+            try:
+                detail = detail()
+            except Exception as e:
+                detail = f"(no detail: {type(e).__name__}: {e})"
         msg = (f"\nstreamcoll watchdog: {what} has not completed after {age:.1f} s (timeout {timeout:g} s)"
                + (f"; {detail}" if detail else "")
                + ".\n  Likely cause: another rank did not start, died, or uses a different address/port."
@@ -331,8 +336,9 @@ class Watchdog:
 
     # -- guards for calls outside a communicator (init) ---------------------
     @contextlib.contextmanager
-    def guard(self, what: str, timeout: float, detail: str = "") -> Iterator[None]:
-        """Watch a blocking native call that is not a collective (init)."""
+    def guard(self, what: str, timeout: float, detail: Any = "") -> Iterator[None]:
+        """Watch a blocking native call that is not a collective (init).
+        ``detail``: text, or a callable giving it when the guard fires."""
         if mode() == "off":
             yield
             return
@@ -366,7 +372,7 @@ def register(comm: Any) -> None:
     WATCHDOG._wake.set()  # a shorter timeout shortens the polling interval at once
 
 
-def guard(what: str, timeout: float, detail: str = ""):
+def guard(what: str, timeout: float, detail: Any = ""):
     return WATCHDOG.guard(what, timeout, detail)
 
 
