@@ -146,9 +146,10 @@ def _several_hosts_report(out: TextIO) -> None:
     iface = route.iface if route else None
     cores = len(topology._cpus())
     for local in (1, 2):
-        several = {"oneccl": env.several_hosts_oneccl(local, local > cores, iface), "nccl": env.several_hosts_nccl(iface)}
+        several = {"oneccl": env.several_hosts_oneccl(local, local > cores, iface, world_size=2 * local),
+                   "nccl": env.several_hosts_nccl(iface)}
         would = _would_apply(False, several, local)
-        w(f"defaults on several hosts, {local} rank(s) on this host (only variables not set above):\n")
+        w(f"defaults on several hosts, e.g. 2 hosts x {local} rank(s) (only variables not set above):\n")
         w("".join(f"  {k}={v}\n" for k, v in would.items()) or "  none\n")
     w("  (more ranks on this machine than cores: CCL_WORKER_OFFLOAD=1 CCL_YIELD=sched_yield; hosts sharing a "
       "hostname: no CCL_ATL_SHM)\n")

@@ -187,7 +187,8 @@ def _apply_defaults(backend: str, topo: "topology.Topology") -> None:
     if not topo.single_host:
         iface = topo.me.route.iface if topo.me.route else None
         several = (env.several_hosts_oneccl(topo.local_size, topo.oversubscribed, iface,
-                                            shm=topo.hostnames_tell_hosts_apart) if backend == "oneccl"
+                                            shm=topo.hostnames_tell_hosts_apart, world_size=len(topo.facts))
+                   if backend == "oneccl"
                    else env.several_hosts_nccl(iface))
     if backend == "oneccl":
         env.apply_oneccl_defaults(topo.single_host, topo.local_rank, topo.local_size, several)

@@ -113,18 +113,20 @@ def interface_defaults(iface: Optional[str]) -> Dict[str, str]:
 
 
 def several_hosts_oneccl(local_size: int, oversubscribed: bool, iface: Optional[str],
-                         shm: bool = True) -> Dict[str, str]:
+                         shm: bool = True, world_size: int = 2) -> Dict[str, str]:
     """oneCCL defaults for one host of several (the why and the figures are in
     the module docstring). ``local_size``: ranks on this host; ``oversubscribed``:
     more ranks on this machine than cores; ``iface``: see
     :func:`interface_defaults`; ``shm``: whether oneCCL can tell the hosts
-    apart (it groups shm peers by hostname)."""
+    apart (it groups shm peers by hostname); ``world_size``: all ranks."""
     d = {k: v for k, v in interface_defaults(iface).items() if k.startswith("CCL_")}
     if oversubscribed:
         d["CCL_WORKER_OFFLOAD"] = "1"
         d["CCL_YIELD"] = "sched_yield"
     else:
         d["CCL_WORKER_OFFLOAD"] = "0"
+        pow2 = world_size & (world_size - 1) == 0
+        d["CCL_ALLREDUCE"] = "recursive_doubling:0-16384;nreduce:16385-max" if pow2 else "nreduce"
     if local_size > 1 and shm:
         d["CCL_ATL_SHM"] = "1"
     return d

@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Sequence
 
 PREFIX = "sc13-"
 NETNS_DIR = "/var/run/netns"
+ETC_NETNS = "/etc/netns"  # ip netns exec bind-mounts ETC_NETNS/<name>/hosts over /etc/hosts
 _COUNTER = itertools.count()
 
 # Variables a test must not pass to its simulated hosts: the suite's own
@@ -83,6 +84,7 @@ def sweep_stale() -> List[str]:
             continue
         if _ip("netns", "del", name, check=False).returncode == 0:
             removed.append(name)
+        shutil.rmtree(os.path.join(ETC_NETNS, name), ignore_errors=True)
     return removed
 
 
@@ -116,9 +118,13 @@ class Hosts:
     def __enter__(self) -> "Hosts":
         sweep_stale()
         try:
-            for name in self.names:
+            for i, name in enumerate(self.names):
                 _ip("netns", "add", name)
                 self.created.append(name)
+                # Each host resolves its own hostname to its own address, as a real one does (gloo needs it).
+                os.makedirs(os.path.join(ETC_NETNS, name), exist_ok=True)
+                with open(os.path.join(ETC_NETNS, name, "hosts"), "w") as f:
+                    f.write(f"127.0.0.1 localhost\n{self.addr(i)} {self.hostnames[i]}\n")
             a, b = self.names
             _ip("link", "add", self.iface, "netns", a, "type", "veth", "peer", "name", self.iface, "netns", b)
             for i, name in enumerate(self.names):
@@ -149,6 +155,7 @@ class Hosts:
                     break
                 import time
                 time.sleep(0.2)
+            shutil.rmtree(os.path.join(ETC_NETNS, name), ignore_errors=True)
         self.created = []
 
     def __exit__(self, *exc) -> None:

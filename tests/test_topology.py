@@ -87,13 +87,15 @@ def test_advertised_address_formats():
 
 
 def test_several_hosts_tables():
-    assert env.several_hosts_oneccl(1, False, "mn0") == {"CCL_KVS_IFACE": "mn0", "CCL_MNIC_NAME": "mn0",
-                                                         "CCL_WORKER_OFFLOAD": "0"}
+    assert env.several_hosts_oneccl(1, False, "mn0") == {
+        "CCL_KVS_IFACE": "mn0", "CCL_MNIC_NAME": "mn0", "CCL_WORKER_OFFLOAD": "0",
+        "CCL_ALLREDUCE": "recursive_doubling:0-16384;nreduce:16385-max"}
+    assert env.several_hosts_oneccl(1, False, "mn0", world_size=3)["CCL_ALLREDUCE"] == "nreduce"
     d = env.several_hosts_oneccl(2, True, "mn0")
     assert d["CCL_ATL_SHM"] == "1" and d["CCL_WORKER_OFFLOAD"] == "1" and d["CCL_YIELD"] == "sched_yield"
     assert "CCL_ATL_SHM" not in env.several_hosts_oneccl(2, True, "mn0", shm=False)
-    assert "FI_PROVIDER" not in d  # shm-only transport is for one host
-    assert env.several_hosts_oneccl(1, False, None) == {"CCL_WORKER_OFFLOAD": "0"}
+    assert "FI_PROVIDER" not in d and "CCL_ALLREDUCE" not in d  # shm-only is for one host; oneCCL's choice
+    assert "CCL_KVS_IFACE" not in env.several_hosts_oneccl(1, False, None)
     assert env.several_hosts_nccl("mn0") == {"NCCL_SOCKET_IFNAME": "=mn0"}  # exact name, not a prefix
 
 
@@ -146,7 +148,7 @@ def test_info_reports_several_host_defaults_and_route(monkeypatch):
     assert info(out) == 0
     text = out.getvalue()
     assert "route to the rendezvous: 127.0.0.1 on lo (to 127.0.0.1)" in text, text
-    assert "defaults on several hosts, 2 rank(s) on this host" in text, text
+    assert "defaults on several hosts, e.g. 2 hosts x 2 rank(s)" in text, text
     assert "CCL_MNIC_NAME=lo" in text and "NCCL_SOCKET_IFNAME==lo" in text, text
     assert "host identity (ranks with the same one share a host): boot=" in text, text
 

@@ -297,8 +297,10 @@ def targets(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    for k, v in LOOPBACK.items():
-        os.environ.setdefault(k, v)
+    ws = os.environ.get("WORLD_SIZE")
+    if os.environ.get("LOCAL_WORLD_SIZE", ws) == ws:  # one node (torchrun's word): loopback; else the network
+        for k, v in LOOPBACK.items():
+            os.environ.setdefault(k, v)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
