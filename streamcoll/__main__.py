@@ -145,14 +145,15 @@ def _several_hosts_report(out: TextIO) -> None:
         w(f"route to the rendezvous: {route.describe()}\n")
     iface = route.iface if route else None
     cores = len(topology._cpus())
-    for local in (1, 2):
-        several = {"oneccl": env.several_hosts_oneccl(local, local > cores, iface, world_size=2 * local),
+    cases = [(f"2 hosts x {local} rank(s), a core each", local, False) for local in (1, 2)]
+    cases.append(("2 hosts x 2 ranks, more ranks on this machine than cores", 2, True))
+    for what, local, over in cases:
+        several = {"oneccl": env.several_hosts_oneccl(local, over or local > cores, iface, world_size=2 * local),
                    "nccl": env.several_hosts_nccl(iface)}
         would = _would_apply(False, several, local)
-        w(f"defaults on several hosts, e.g. 2 hosts x {local} rank(s) (only variables not set above):\n")
+        w(f"defaults on several hosts, e.g. {what} (only variables not set above):\n")
         w("".join(f"  {k}={v}\n" for k, v in would.items()) or "  none\n")
-    w("  (more ranks on this machine than cores: CCL_WORKER_OFFLOAD=1 CCL_YIELD=sched_yield; hosts sharing a "
-      "hostname: no CCL_ATL_SHM)\n")
+    w("  (hosts that share a hostname get no CCL_ATL_SHM: oneCCL groups shm peers by hostname)\n")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -148,7 +148,8 @@ def test_info_reports_several_host_defaults_and_route(monkeypatch):
     assert info(out) == 0
     text = out.getvalue()
     assert "route to the rendezvous: 127.0.0.1 on lo (to 127.0.0.1)" in text, text
-    assert "defaults on several hosts, e.g. 2 hosts x 2 rank(s)" in text, text
+    assert "defaults on several hosts, e.g. 2 hosts x 2 rank(s), a core each" in text, text
+    assert "more ranks on this machine than cores" in text and "CCL_YIELD=sched_yield" in text, text
     assert "CCL_MNIC_NAME=lo" in text and "NCCL_SOCKET_IFNAME==lo" in text, text
     assert "host identity (ranks with the same one share a host): boot=" in text, text
 
