@@ -68,16 +68,17 @@ def _not_reached(binding) -> List[tuple]:
     return out
 
 
-def _would_apply() -> dict:
-    """The defaults env.apply_*_defaults would set for a single-host
-    communicator now, computed on a copy of the environment and undone."""
+def _would_apply(single_host: bool = True, several: Optional[dict] = None, local_size: int = 1) -> dict:
+    """The defaults env.apply_*_defaults would set for a communicator now
+    (``several``: the oneCCL and NCCL several-host tables), computed on a copy
+    of the environment and undone."""
     from . import env
 
     saved_env, saved_applied = dict(os.environ), dict(env.APPLIED)
     try:
         env.APPLIED.clear()
-        env.apply_oneccl_defaults(True, 0, 1)
-        env.apply_nccl_defaults(True)
+        env.apply_oneccl_defaults(single_host, 0, local_size, (several or {}).get("oneccl"))
+        env.apply_nccl_defaults(single_host, (several or {}).get("nccl"))
         return dict(env.APPLIED)
     finally:
         os.environ.clear()
@@ -128,10 +129,38 @@ def info(out: Optional[TextIO] = None) -> int:
         w("defaults streamcoll applies when it creates a communicator with every rank on this host\n"
           "(only variables not set above; see streamcoll/env.py for why each):\n")
         w("".join(f"  {k}={v}\n" for k, v in would.items()))
-        w("  (several hosts: only CCL_LOCAL_RANK, CCL_LOCAL_SIZE, CCL_LOG_LEVEL)\n")
     else:
         w("defaults: none to apply (every variable they cover is set)\n")
+    if env._enabled():
+        _several_hosts_report(out)
     return 0
+
+
+def _several_hosts_report(out: TextIO) -> None:
+    """What a communicator spanning several hosts would apply on this host,
+    with the interface that reaches the rendezvous address now."""
+    from . import env, topology
+
+    w = out.write
+    addr = topology.rendezvous_address()
+    route = topology.route_to(addr) if addr else None
+    ident, _, _ = topology.host_identity()
+    w(f"\nhost identity (ranks with the same one share a host): {ident}\n")
+    if route is None:
+        w("route to the rendezvous: MASTER_ADDR not set (no interface defaults on several hosts)\n")
+    else:
+        w(f"route to the rendezvous: {route.describe()}\n")
+    iface = route.iface if route else None
+    cores = len(topology._cpus())
+    cases = [(f"2 hosts x {local} rank(s), a core each", local, False) for local in (1, 2)]
+    cases.append(("2 hosts x 2 ranks, more ranks on this machine than cores", 2, True))
+    for what, local, over in cases:
+        several = {"oneccl": env.several_hosts_oneccl(local, over or local > cores, iface, world_size=2 * local),
+                   "nccl": env.several_hosts_nccl(iface)}
+        would = _would_apply(False, several, local)
+        w(f"defaults on several hosts, e.g. {what} (only variables not set above):\n")
+        w("".join(f"  {k}={v}\n" for k, v in would.items()) or "  none\n")
+    w("  (hosts that share a hostname get no CCL_ATL_SHM: oneCCL groups shm peers by hostname)\n")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -8,8 +8,9 @@ oneCCL's own bootstrap and networking take over. Nothing home-made.
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
-import socket
 import threading
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -18,7 +19,7 @@ import torch
 
 from .backends import resolve
 from .communicator import Communicator, _seconds
-from .env import apply_nccl_defaults, apply_oneccl_defaults
+from . import env, topology
 from .errors import CommunicatorError
 
 __all__ = ["init", "new_communicator", "is_initialized", "get_rank", "get_world_size",
@@ -28,6 +29,7 @@ _DEFAULT: Optional[Communicator] = None
 _STORE: Any = None
 _COUNTER = 0
 _LOCK = threading.Lock()
+LOG = logging.getLogger("streamcoll")
 
 
 def is_available(backend: str = "oneccl") -> bool:
@@ -107,7 +109,6 @@ def new_communicator(
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend: expected 'nccl', 'oneccl' or None, got {backend!r}")
     local_rank = _env_int("LOCAL_RANK", rank)
-    local_size = _env_int("LOCAL_WORLD_SIZE", world_size)
     if device is None:
         device = _default_device(backend.lower() if backend else None, local_rank)
     try:
@@ -128,15 +129,13 @@ def new_communicator(
     pstore = dist.PrefixStore(prefix, store)
     pstore.set_timeout(timedelta(seconds=t))
 
-    # Are all ranks on this host? Decides the single-host defaults.
-    host = socket.gethostname()
-    pstore.set(f"host/{rank}", host)
-    hosts = {pstore.get(f"host/{r}").decode() for r in range(world_size)}
-    single = hosts == {host}
-    if b.name == "oneccl":
-        apply_oneccl_defaults(single, local_rank, local_size)
-    else:
-        apply_nccl_defaults(single)
+    # Which ranks share a host, and the interface reaching the rendezvous:
+    # decides the defaults (topology.py says from what, env.py which values).
+    cname = name or ("default" if n == 1 else f"comm{n}")
+    topo = topology.exchange(pstore, rank, world_size, t)
+    if b.name == "oneccl" and topo.name_clashes():  # every rank sees the same facts, so every rank raises
+        raise CommunicatorError(f"init of communicator {cname!r}: {_clash_text(topo)}")
+    _apply_defaults(b.name, topo)
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
@@ -144,19 +143,103 @@ def new_communicator(
         uid = b.unique_id()
         pstore.set("uid", uid)
     else:
-        uid = pstore.get("uid")
-    cname = name or ("default" if n == 1 else f"comm{n}")
+        uid = _wait_uid(pstore, rank, t, topo)
+    advertised = topology.advertised_address(b.name, bytes(uid))
+    problem = topo.loopback_problem(advertised[0] if advertised else None)
+    if problem:  # every rank sees the same facts, so every rank raises
+        raise CommunicatorError(f"init of communicator {cname!r}: {problem}. {_LOOPBACK_HINT}")
     from . import watchdog
     nonblocking = b.name == "nccl" and watchdog.nccl_nonblocking_requested()
+    pstore.set(f"init/{rank}", json.dumps({k: os.environ.get(k) for k in _IFACE_VARS}))
     if nonblocking:  # polled with ncclCommGetAsyncError: times out with CollectiveTimeout
         handle = b.init_rank(world_size, bytes(uid), rank, blocking=False, timeout=t)
     else:  # a blocking init whose peers never come must not hang silently
-        with watchdog.guard(f"init of communicator {cname!r} (rank {rank} of {world_size}, {b.name} on {device})", t):
+        what = f"init of communicator {cname!r} (rank {rank} of {world_size}, {b.name} on {device})"
+        with watchdog.guard(what, t, lambda: _init_report(pstore, topo, advertised)):
             handle = b.init_rank(world_size, bytes(uid), rank)
+    pstore.set(f"ready/{rank}", "1")
     comm = Communicator(b, device, handle, rank, world_size, t, record_stream, pstore, name=cname)
+    comm.topology = topo
     if nonblocking:
         watchdog.make_nonblocking(comm)
     return comm
+
+
+_IFACE_VARS = ("CCL_KVS_IFACE", "CCL_MNIC_NAME", "NCCL_SOCKET_IFNAME", "FI_PROVIDER", "CCL_ATL_SHM")
+_LOOPBACK_HINT = ("Set MASTER_ADDR to an address of rank 0's host that the other hosts reach (not one that "
+                  "resolves to 127.0.0.1 there) and leave CCL_KVS_IFACE/NCCL_SOCKET_IFNAME unset (streamcoll then "
+                  "uses the interface that reaches MASTER_ADDR), or set them to that interface")
+
+
+def _clash_text(topo: "topology.Topology") -> str:
+    pairs = "; ".join(f"ranks {a} and {b} (hostname {topo.facts[a].hostname!r}, pid {topo.facts[a].pid})"
+                      for a, b in topo.name_clashes())
+    return (f"{pairs}: same hostname and process id on different hosts. oneCCL 2022.2's key-value store tells "
+            f"processes apart by hostname and process id, and its init fails with 'Unregister Barrier request' "
+            f"and hangs for such ranks (measured on simulated hosts). Give the hosts distinct hostnames, or start "
+            f"the ranks so that their process ids differ (containers started identically get identical ones)")
+
+
+def _apply_defaults(backend: str, topo: "topology.Topology") -> None:
+    """The environment defaults for this rank's place in ``topo``; logs them."""
+    before = set(env.APPLIED)
+    several = None
+    if not topo.single_host:
+        iface = topo.me.route.iface if topo.me.route else None
+        several = (env.several_hosts_oneccl(topo.local_size, topo.oversubscribed, iface,
+                                            shm=topo.hostnames_tell_hosts_apart, world_size=len(topo.facts))
+                   if backend == "oneccl"
+                   else env.several_hosts_nccl(iface))
+    if backend == "oneccl":
+        env.apply_oneccl_defaults(topo.single_host, topo.local_rank, topo.local_size, several)
+    else:
+        env.apply_nccl_defaults(topo.single_host, several)
+    if LOG.isEnabledFor(logging.DEBUG):
+        new = {k: v for k, v in env.APPLIED.items() if k not in before}
+        route = topo.me.route.describe() if topo.me.route else "no rendezvous address"
+        LOG.debug("rank %d: %s; route to the rendezvous: %s; defaults applied: %s", topo.rank, topo.summary(),
+                  route, " ".join(f"{k}={v}" for k, v in new.items()) or "none (already set or off)")
+
+
+def _wait_uid(pstore: Any, rank: int, timeout: float, topo: "topology.Topology") -> bytes:
+    try:
+        return pstore.get("uid")
+    except Exception as e:
+        raise CommunicatorError(
+            f"init: rank 0 ({topo.describe_rank(0)}) did not publish the unique id within {timeout:g} s "
+            f"(it creates it with the library's bootstrap; look at rank 0's error) "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def _init_report(pstore: Any, topo: "topology.Topology", advertised: Optional[tuple]) -> str:
+    """For the watchdog when a native init outlives its timeout: who never
+    finished init, and the address, port and interface each rank used."""
+    lines, stuck, absent = [], [], []
+    for r in range(len(topo.facts)):
+        try:
+            started = pstore.check([f"init/{r}"])
+            used = json.loads(pstore.get(f"init/{r}").decode()) if started else {}
+            ready = pstore.check([f"ready/{r}"])
+        except Exception:
+            started, used, ready = False, {}, False
+        if not started:
+            absent.append(r)
+        elif not ready:
+            stuck.append(r)
+        env_used = " ".join(f"{k}={v}" for k, v in used.items() if v is not None)
+        lines.append(f"    {topo.describe_rank(r)}; {'ready' if ready else 'not ready'}"
+                     + (f"; {env_used}" if env_used else ""))
+    head = []
+    if absent:
+        head.append(f"rank(s) {', '.join(map(str, absent))} never reached the native init")
+    if stuck:
+        head.append(f"rank(s) {', '.join(map(str, stuck))} did not finish it")
+    if advertised:
+        head.append(f"rank 0's bootstrap listens at {advertised[0]}:{advertised[1]}")
+    head.append(topo.summary())
+    return "; ".join(head) + "\n  Each rank:\n" + "\n".join(lines) + (
+        "\n  Likely cause: a rank that cannot reach rank 0's bootstrap address (a firewall, or an interface "
+        "variable naming one that does not connect the hosts), or a rank that died")
 
 
 def init(

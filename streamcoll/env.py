@@ -40,15 +40,35 @@ calls): with oneCCL's defaults a 1-element allreduce took 4.3 ms and a 4 MB one
 - ``CCL_LOG_LEVEL=error``: oneCCL's startup warnings are about the variables
   above.
 
-On several hosts only the local-rank variables are set; transport and
-interface are oneCCL's own choice (or the user's).
+Several hosts (:func:`several_hosts_oneccl`, :func:`several_hosts_nccl`;
+which ranks share a host and which interface reaches the rendezvous address
+come from :mod:`streamcoll.topology`), per host:
+
+- ``CCL_KVS_IFACE``, ``CCL_MNIC_NAME`` and ``NCCL_SOCKET_IFNAME=<iface>``:
+  the interface the kernel routes the rendezvous address through
+  (:func:`interface_defaults`). oneCCL's own choice is the alphabetically
+  first interface, loopback included, which hangs when the right one sorts
+  after ``lo``.
+- ``CCL_WORKER_OFFLOAD=0`` while the ranks of this machine have a core each,
+  else ``CCL_WORKER_OFFLOAD=1 CCL_YIELD=sched_yield``, as on one host; the
+  ranks counted are those on this *machine* (same boot id: simulated hosts or
+  containers share its cores).
+- ``CCL_ATL_SHM=1`` (shared memory between the ranks of one host, the network
+  between hosts) when a host has several ranks and no two hosts share a
+  hostname: oneCCL groups its shm peers by hostname, and with a hostname
+  shared by two hosts init hangs (measured, 2 x 2). Never ``FI_PROVIDER=shm``
+  (shm only) there.
 """
 from __future__ import annotations
 
+import logging
 import os
-from typing import Dict
+from typing import Dict, Optional
 
-__all__ = ["APPLIED", "apply_oneccl_defaults", "apply_nccl_defaults", "RELEVANT"]
+__all__ = ["APPLIED", "apply_oneccl_defaults", "apply_nccl_defaults", "RELEVANT", "several_hosts_oneccl",
+           "several_hosts_nccl", "interface_defaults"]
+
+LOG = logging.getLogger("streamcoll")
 
 APPLIED: Dict[str, str] = {}
 
@@ -56,9 +76,10 @@ RELEVANT = (
     "STREAMCOLL_ONECCL_LIBRARY", "STREAMCOLL_NCCL_LIBRARY", "STREAMCOLL_HOME", "STREAMCOLL_TIMEOUT",
     "STREAMCOLL_RECORD_STREAM", "STREAMCOLL_NO_ENV_DEFAULTS", "STREAMCOLL_DEBUG_CHECKS",
     "CCL_ROOT", "CCL_WORKER_OFFLOAD", "CCL_YIELD", "CCL_ATL_SHM", "CCL_ATL_TRANSPORT", "FI_PROVIDER", "CCL_KVS_IFACE",
+    "CCL_MNIC", "CCL_MNIC_NAME", "CCL_MNIC_COUNT",
     "CCL_ALLREDUCE", "CCL_LOCAL_RANK", "CCL_LOCAL_SIZE", "CCL_LOG_LEVEL",
     "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_HOME", "CUDA_HOME",
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LD_LIBRARY_PATH",
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "LD_LIBRARY_PATH",
 )
 
 
@@ -79,7 +100,47 @@ def _enabled() -> bool:
     return os.environ.get("STREAMCOLL_NO_ENV_DEFAULTS", "0") in ("", "0")
 
 
-def apply_oneccl_defaults(single_host: bool, local_rank: int, local_size: int) -> None:
+def interface_defaults(iface: Optional[str]) -> Dict[str, str]:
+    """The interface that reaches the rendezvous address, for oneCCL's
+    key-value store (``CCL_KVS_IFACE``) and NIC (``CCL_MNIC_NAME``: without it
+    oneCCL 2022.2 takes the alphabetically first interface, loopback included,
+    and hangs when the right one sorts after ``lo``) and NCCL's sockets
+    (``NCCL_SOCKET_IFNAME``; a leading ``=`` makes it an exact name, not a
+    prefix). Nothing when the interface is unknown."""
+    if not iface:
+        return {}
+    return {"CCL_KVS_IFACE": iface, "CCL_MNIC_NAME": iface, "NCCL_SOCKET_IFNAME": "=" + iface}
+
+
+def several_hosts_oneccl(local_size: int, oversubscribed: bool, iface: Optional[str],
+                         shm: bool = True, world_size: int = 2) -> Dict[str, str]:
+    """oneCCL defaults for one host of several (the why and the figures are in
+    the module docstring). ``local_size``: ranks on this host; ``oversubscribed``:
+    more ranks on this machine than cores; ``iface``: see
+    :func:`interface_defaults`; ``shm``: whether oneCCL can tell the hosts
+    apart (it groups shm peers by hostname); ``world_size``: all ranks."""
+    d = {k: v for k, v in interface_defaults(iface).items() if k.startswith("CCL_")}
+    if oversubscribed:
+        d["CCL_WORKER_OFFLOAD"] = "1"
+        d["CCL_YIELD"] = "sched_yield"
+    else:
+        d["CCL_WORKER_OFFLOAD"] = "0"
+        pow2 = world_size & (world_size - 1) == 0
+        d["CCL_ALLREDUCE"] = "recursive_doubling:0-16384;nreduce:16385-max" if pow2 else "nreduce"
+    if local_size > 1 and shm:
+        d["CCL_ATL_SHM"] = "1"
+    return d
+
+
+def several_hosts_nccl(iface: Optional[str]) -> Dict[str, str]:
+    """NCCL defaults for one host of several: its socket interface."""
+    return {k: v for k, v in interface_defaults(iface).items() if k.startswith("NCCL_")}
+
+
+def apply_oneccl_defaults(single_host: bool, local_rank: int, local_size: int,
+                          several: Optional[Dict[str, str]] = None) -> None:
+    """Apply the defaults; ``several`` is :func:`several_hosts_oneccl`'s table
+    when the ranks are on several hosts."""
     if not _enabled():
         return
     _default("CCL_LOCAL_RANK", str(local_rank))
@@ -99,10 +160,16 @@ def apply_oneccl_defaults(single_host: bool, local_rank: int, local_size: int) -
             _default("CCL_ALLREDUCE", "nreduce")
         else:
             _default("CCL_ALLREDUCE", "recursive_doubling:0-16384;nreduce:16385-max")
+    else:
+        for k, v in (several or {}).items():
+            _default(k, v)
 
 
-def apply_nccl_defaults(single_host: bool) -> None:
+def apply_nccl_defaults(single_host: bool, several: Optional[Dict[str, str]] = None) -> None:
     if not _enabled():
         return
     if single_host:
         _default("NCCL_SOCKET_IFNAME", "lo")
+    else:
+        for k, v in (several or {}).items():
+            _default(k, v)

@@ -14,14 +14,18 @@ the process with a clear message when an operation outlives its
 communicator's timeout:
 
 - Every operation is in the flight recorder (:mod:`streamcoll.flight`); the
-  watchdog looks at each live communicator every ``min(1 s, timeout / 10)``.
+  watchdog looks at each live communicator every ``min(0.5 s, timeout / 10)``.
   A hang is: a synchronous call that has not returned (the recorder keeps no
   start time for those, to stay cheap: its age counts from the pass that
   first saw it running, so detection comes up to one interval late); async
   work running on the CPU comm thread (its start time is recorded); GPU async
-  work whose completion event has not fired (counted from its launch). Each
-  is given ``timeout + grace`` (grace: 1 s, so that a ``Work.wait`` timing out
-  at the same moment raises first).
+  work whose completion event has not fired (counted from its launch). A
+  synchronous call is given ``timeout``, async work ``timeout + grace``
+  (grace: 1 s, so that a ``Work.wait`` timing out at the same moment raises
+  first). The interval is ``min(0.5 s, timeout / 10)``, so a stuck
+  synchronous call (a dead peer) ends the process within the timeout plus
+  about 1 s (measured across two simulated hosts, 2 x 1 and 2 x 2, 5 s timeout:
+  5.1-5.4 s after the kill; 6.6 s with the earlier 1 s grace and 1 s interval).
 - On a hang it marks the communicator failed, writes the flight record
   (``STREAMCOLL_FLIGHT_DIR``), prints what hung (op, sequence number, shapes,
   rank, timeout) and what to do to stderr, aborts an NCCL communicator
@@ -69,7 +73,8 @@ __all__ = ["EXIT_CODE", "register", "handle_timeout", "skip_native_teardown", "g
            "WATCHDOG", "nccl_wait_ready", "make_nonblocking", "nccl_nonblocking_requested"]
 
 EXIT_CODE = 86
-GRACE_S = 1.0
+GRACE_S = 1.0  # async work only: a Work.wait timing out at the same moment raises first
+INTERVAL_S = 0.5  # longest pass interval: a hang is reported within timeout + 2 intervals
 SCAN = 256  # newest entries of each communicator looked at per pass
 
 
@@ -202,7 +207,7 @@ class Watchdog:
 
     def _interval(self, comms: List[Any]) -> float:
         ts = [c.timeout for c in comms] + [g[2] for g in list(self._guards.values())]
-        return min([1.0] + [max(0.05, t / 10) for t in ts])
+        return min([INTERVAL_S] + [max(0.05, t / 10) for t in ts])
 
     def _loop(self) -> None:
         while True:
@@ -250,7 +255,7 @@ class Watchdog:
                 rs = fr.running_since
                 if rs is None or rs[0] != running.seq:
                     fr.running_since = (running.seq, now)
-                elif (now - rs[1]) / 1e9 > limit:
+                elif (now - rs[1]) / 1e9 > comm.timeout:  # no Work to wait on: no grace
                     hung = (running, (now - rs[1]) / 1e9)
             # Asynchronous work: running on the CPU comm thread, or GPU work whose event has not fired.
             if hung is None:
@@ -343,7 +348,12 @@ class Watchdog:
             msg += f"\n  Ending this process now with exit code {EXIT_CODE}."
         self._end(comm, msg, m)
 
-    def _fire_guard(self, what: str, timeout: float, detail: str, age: float) -> None:
+    def _fire_guard(self, what: str, timeout: float, detail: Any, age: float) -> None:
+        if callable(detail):  # computed now, when the facts are in (which ranks finished)
+            try:
+                detail = detail()
+            except Exception as e:
+                detail = f"(no detail: {type(e).__name__}: {e})"
         msg = (f"\nstreamcoll watchdog: {what} has not completed after {age:.1f} s (timeout {timeout:g} s)"
                + (f"; {detail}" if detail else "")
                + ".\n  Likely cause: another rank did not start, died, or uses a different address/port."
@@ -354,8 +364,9 @@ class Watchdog:
 
     # -- guards for calls outside a communicator (init) ---------------------
     @contextlib.contextmanager
-    def guard(self, what: str, timeout: float, detail: str = "") -> Iterator[None]:
-        """Watch a blocking native call that is not a collective (init)."""
+    def guard(self, what: str, timeout: float, detail: Any = "") -> Iterator[None]:
+        """Watch a blocking native call that is not a collective (init).
+        ``detail``: text, or a callable giving it when the guard fires."""
         if mode() == "off":
             yield
             return
@@ -417,7 +428,7 @@ def register(comm: Any) -> None:
     WATCHDOG._wake.set()  # a shorter timeout shortens the polling interval at once
 
 
-def guard(what: str, timeout: float, detail: str = ""):
+def guard(what: str, timeout: float, detail: Any = ""):
     return WATCHDOG.guard(what, timeout, detail)
 
 

@@ -138,8 +138,8 @@ def _init_never_joined() -> None:
     store = dist.HashStore()
     # Rank 1's part of the host exchange that precedes init, so that rank 0
     # reaches the native init call (the store's own waits time out by themselves).
-    import socket
-    dist.PrefixStore("streamcoll/comm/1/", store).set("host/1", socket.gethostname())  # as bootstrap keys it
+    from streamcoll import topology
+    dist.PrefixStore("streamcoll/comm/1/", store).set(topology.exchange_key(1), topology.local_facts(1).to_json())
     _out("rank0.json", {"init_started": time.time()})
     streamcoll.new_communicator(backend="oneccl", device="cpu", rank=0, world_size=2, store=store,
                                 timeout=float(os.environ["RELIABILITY_TIMEOUT"]))
@@ -514,11 +514,11 @@ if __name__ != "__main__":
     @pytest.mark.cuda
     def test_nccl_nonblocking_init_times_out(monkeypatch):
         """A 2-rank NCCL init whose rank 1 never comes: polled, aborted, CollectiveTimeout."""
-        import socket
         import torch.distributed as dist
         store = dist.HashStore()
-        from streamcoll import bootstrap
-        dist.PrefixStore(f"streamcoll/comm/{bootstrap._COUNTER + 1}/", store).set("host/1", socket.gethostname())
+        from streamcoll import bootstrap, topology
+        dist.PrefixStore(f"streamcoll/comm/{bootstrap._COUNTER + 1}/", store).set(
+            topology.exchange_key(1), topology.local_facts(1).to_json())
         t0 = time.monotonic()
         with pytest.raises(streamcoll.CollectiveTimeout) as ei:
             _nccl_comm(monkeypatch, world_size=2, store=store, timeout=3.0)

@@ -326,8 +326,10 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     from . import mpi as bench_mpi
     under_mpi = bench_mpi.adopt_launcher_env()
-    for k, v in LOOPBACK.items():
-        os.environ.setdefault(k, v)
+    ws = os.environ.get("WORLD_SIZE")
+    if os.environ.get("LOCAL_WORLD_SIZE", ws) == ws:  # one node (torchrun's word): loopback; else the network
+        for k, v in LOOPBACK.items():
+            os.environ.setdefault(k, v)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rank0, n0 = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     # MPI before anything loads oneCCL (one libfabric.so.1 serves the process; see bench.mpi).
