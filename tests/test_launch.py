@@ -357,3 +357,65 @@ def test_work_in_flight_when_the_communicator_failed_raises_after_it_completes(m
         assert c.flight.at(w.seq).state == "failed"
     finally:
         c.destroy()
+
+
+# ------------------------------------------------ bad input, derived from the table
+def _faults(s: spec.CollectiveSpec, size: int):
+    """(label, parameter, bad value factory, exception, words) for every
+    parameter the declaration has: the error must name the parameter. Root-
+    only lists are left out (only the root checks them: broken there alone
+    the others would enter the collective; see tests/test_fuzz.py)."""
+    out = []
+    for p in s.params:
+        if p.kind == spec.TENSOR:
+            out += [(f"{p.name} non-contiguous", p.name, lambda x: torch.ones(x.numel(), 2).t()[0], ValueError,
+                     [p.name, "contiguous"]),
+                    (f"{p.name} on meta", p.name, lambda x: torch.empty(x.shape, device="meta"), ValueError,
+                     [p.name, "meta"]),
+                    (f"{p.name} a list", p.name, lambda x: x.tolist(), TypeError, [p.name, "list"])]
+        elif p.kind == spec.TENSOR_LIST and not p.root_only:
+            out.append((f"{p.name} length", p.name, lambda x: list(x) + [x[0]], ValueError, [p.name, str(size)]))
+        elif p.kind == spec.RANK:
+            out += [(f"{p.name} range", p.name, lambda x: size + 1, ValueError, [p.name, f"[0, {size})"]),
+                    (f"{p.name} type", p.name, lambda x: "0", TypeError, [p.name, "int"])]
+        elif p.kind == spec.SPLITS:
+            out.append((f"{p.name} length", p.name, lambda x: [1] * (size + 1), ValueError, [p.name, str(size)]))
+        elif p.kind == spec.OP:
+            out.append(("op unknown", p.name, lambda x: "XOR", TypeError, ["op"]))
+    return out
+
+
+def w_table_bad_input(comm) -> List[str]:
+    failures, n = [], 0
+    for name, s in spec.TABLE.items():
+        if s.returns == "work_list" or not s.params:
+            continue
+        for label, pname, bad, exc, words in _faults(s, comm.size):
+            args, _, _ = _case(s, comm.size, comm.rank, "SUM")
+            if pname in args and args[pname] is None:
+                continue
+            args[pname] = bad(args[pname])
+            seq = comm.seq
+            try:
+                getattr(comm, name)(*[args[p] for p in s.param_names])
+            except exc as e:
+                missing = [w for w in words if w not in str(e)]
+                if missing:
+                    failures.append(f"{name} {label}: {e!r} lacks {missing}")
+                if comm.seq != seq:
+                    failures.append(f"{name} {label}: raised after a launch")
+            except Exception as e:  # noqa: BLE001
+                failures.append(f"{name} {label}: expected {exc.__name__}, got {type(e).__name__}: {e}")
+            else:
+                failures.append(f"{name} {label}: no exception")
+            n += 1
+    t = torch.full((3,), float(comm.rank))
+    comm.all_reduce(t)  # nothing was half issued
+    assert t.tolist() == [float(sum(range(comm.size)))] * 3
+    assert n > 60, n
+    return failures
+
+
+def test_bad_input_of_every_declared_parameter_is_named(world2):
+    for r, failures in enumerate(world2.run(w_table_bad_input)):
+        assert failures == [], f"rank {r}:\n" + "\n".join(failures)
