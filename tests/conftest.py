@@ -22,6 +22,27 @@ os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
 from world import World  # noqa: E402
 
 
+def _sweep_stale_shm() -> None:
+    """Remove libfabric shm regions (``/dev/shm/<pid>:<n>:<n>``) of processes
+    that no longer exist. Tests SIGKILL ranks on purpose; their regions stay,
+    and a later process that gets the same pid fails ``fi_enable`` in oneCCL's
+    init (seen here: "failed to initialize ATL")."""
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return
+    for n in names:
+        pid = n.split(":", 1)[0]
+        if ":" in n and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            try:
+                os.unlink(os.path.join("/dev/shm", n))
+            except OSError:
+                pass
+
+
+_sweep_stale_shm()
+
+
 def _loads(name: str):
     from streamcoll.backends import get_backend
     b = get_backend(name).binding
@@ -72,6 +93,7 @@ def get_world(size: int, **kwargs) -> World:
     if w is None or not w.alive or not w.conns:
         if not _ONECCL_OK:
             pytest.skip(f"oneCCL not loadable: {_ONECCL_WHY}")
+        _sweep_stale_shm()
         w = _WORLDS[key] = World(size, **kwargs)
     return w
 
