@@ -131,6 +131,8 @@ class CollectiveSpec:
     pg_params: str = ""
     pg_map: Mapping[str, str] = dataclasses.field(default_factory=dict)
     reference: Optional[Callable[..., Any]] = None
+    # nccl-tests' bus bandwidth factor at n ranks (doc/PERFORMANCE.md), for the benchmarks.
+    bus_factor: Optional[Callable[[int], float]] = None
 
     @property
     def param_names(self) -> Tuple[str, ...]:
@@ -437,6 +439,7 @@ _SUMOP = ReduceOp.SUM
     compiled=True, functional_shape="same", fast=True, reference=ref_all_reduce,
     pg=('allreduce',), pg_params='tensors, opts=None',
     pg_map={'tensor': "_one(tensors, 'tensors')", 'op': '_op(opts)'},
+    bus_factor=lambda n: 2.0 * (n - 1) / n,
 )
 def _plan_all_reduce(cx: Any, tensor: Any, op: Any) -> Plan:
     return cx.native(TABLE["all_reduce"], {"tensor": tensor, "op": op})
@@ -451,6 +454,7 @@ def _plan_all_reduce(cx: Any, tensor: Any, op: Any) -> Plan:
     compiled=True, functional_shape="same", fast=True, reference=ref_broadcast,
     pg=('broadcast',), pg_params='tensors, opts=None',
     pg_map={'tensor': "_one(tensors, 'tensors')", 'src': '_root(opts)'},
+    bus_factor=lambda n: 1.0,
 )
 def _plan_broadcast(cx: Any, tensor: Any, src: Any) -> Plan:
     return cx.native(TABLE["broadcast"], {"tensor": tensor, "src": src})
@@ -465,6 +469,7 @@ def _plan_broadcast(cx: Any, tensor: Any, src: Any) -> Plan:
     post_on_root_only=True, compiled=True, functional_shape="same", fast=True, reference=ref_reduce,
     pg=('reduce',), pg_params='tensors, opts=None',
     pg_map={'tensor': "_one(tensors, 'tensors')", 'dst': '_root(opts)', 'op': '_op(opts)'},
+    bus_factor=lambda n: 1.0,
 )
 def _plan_reduce(cx: Any, tensor: Any, dst: Any, op: Any) -> Plan:
     # oneCCL writes the receive buffer on every rank: non-roots get a scratch
@@ -482,6 +487,7 @@ def _plan_reduce(cx: Any, tensor: Any, dst: Any, op: Any) -> Plan:
     compiled=True, functional_shape="gather", fast=True, reference=ref_all_gather_into_tensor,
     pg=('all_gather_single', '_allgather_base'), pg_params='output, input, opts=None',
     pg_map={'output_tensor': 'output', 'input_tensor': 'input'},
+    bus_factor=lambda n: (n - 1) / n,
 )
 def _plan_all_gather_into_tensor(cx: Any, output_tensor: Any, input_tensor: Any) -> Plan:
     return cx.native(TABLE["all_gather_into_tensor"], {"output_tensor": output_tensor, "input_tensor": input_tensor})
@@ -513,6 +519,7 @@ def _plan_all_gather(cx: Any, tensor_list: Any, tensor: Any) -> Plan:
     reduces=True, compiled=True, functional_shape="scatter", fast=True, reference=ref_reduce_scatter_tensor,
     pg=('reduce_scatter_single', '_reduce_scatter_base'), pg_params='output, input, opts=None',
     pg_map={'output': 'output', 'input': 'input', 'op': '_op(opts)'},
+    bus_factor=lambda n: (n - 1) / n,
 )
 def _plan_reduce_scatter_tensor(cx: Any, output: Any, input: Any, op: Any) -> Plan:
     return cx.native(TABLE["reduce_scatter_tensor"], {"output": output, "input": input, "op": op})
@@ -545,6 +552,7 @@ def _plan_reduce_scatter(cx: Any, output: Any, input_list: Any, op: Any) -> Plan
     compiled=True, functional_shape="a2a", cross_check="single", fast=True, reference=ref_all_to_all_single,
     pg=('all_to_all_single', 'alltoall_base'), pg_params='output, input, output_split_sizes, input_split_sizes, opts=None',
     pg_map={'output': 'output', 'input': 'input', 'output_split_sizes': 'list(output_split_sizes) or None', 'input_split_sizes': 'list(input_split_sizes) or None'},
+    bus_factor=lambda n: (n - 1) / n,
 )
 def _plan_all_to_all_single(cx: Any, output: Any, input: Any, output_split_sizes: Any = None,
                             input_split_sizes: Any = None) -> Plan:
