@@ -8,11 +8,12 @@ oneCCL's own bootstrap and networking take over. Nothing home-made.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
@@ -55,6 +56,21 @@ def _default_device(backend: Optional[str], local_rank: int) -> torch.device:
     if backend in ("oneccl",) and hasattr(torch, "xpu") and torch.xpu.is_available() and os.environ.get("STREAMCOLL_DEVICE") == "xpu":
         return torch.device("xpu", local_rank)
     return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _native_entry(backend: str) -> Iterator[None]:
+    """Around the calls that may be the process's first into the library:
+    oneCCL sets itself up there, printing a line on stdout (kept off it, see
+    :mod:`streamcoll.logs`) and installing signal handlers (Python's are put
+    back for SIGINT/SIGTERM, see :mod:`streamcoll.signals`)."""
+    from .logs import quiet_oneccl_startup
+    from .signals import native_entry
+    if backend != "oneccl":
+        yield
+        return
+    with native_entry(), quiet_oneccl_startup():
+        yield
 
 
 def _get_store(rank: int, world_size: int, timeout: float):
@@ -141,7 +157,8 @@ def new_communicator(
         torch.cuda.set_device(device)
 
     if rank == 0:
-        uid = b.unique_id()
+        with _native_entry(b.name):
+            uid = b.unique_id()
         pstore.set("uid", uid)
     else:
         uid = pstore.get("uid")
@@ -152,7 +169,8 @@ def new_communicator(
         handle = b.init_rank(world_size, bytes(uid), rank, blocking=False, timeout=t)
     else:  # a blocking init whose peers never come must not hang silently
         with watchdog.guard(f"init of communicator {cname!r} (rank {rank} of {world_size}, {b.name} on {device})", t):
-            handle = b.init_rank(world_size, bytes(uid), rank)
+            with _native_entry(b.name):
+                handle = b.init_rank(world_size, bytes(uid), rank)
     comm = Communicator(b, device, handle, rank, world_size, t, record_stream, pstore, name=cname)
     if nonblocking:
         watchdog.make_nonblocking(comm)

@@ -23,8 +23,9 @@ communicator's timeout:
   is given ``timeout + grace`` (grace: 1 s, so that a ``Work.wait`` timing out
   at the same moment raises first).
 - On a hang it marks the communicator failed, writes the flight record
-  (``STREAMCOLL_FLIGHT_DIR``), prints what hung (op, sequence number, shapes,
-  rank, timeout) and what to do to stderr, aborts an NCCL communicator
+  (``STREAMCOLL_FLIGHT_DIR``), reports what hung (op, sequence number, shapes,
+  rank, timeout) and what to do through the ``streamcoll.watchdog`` logger
+  (stderr where the program configured no logging), aborts an NCCL communicator
   (``ncclCommAbort``), and then, by default, ends the process with
   ``os._exit(EXIT_CODE)`` (86): a launcher such as torchrun then sees a failed
   rank and tears the job down. ``STREAMCOLL_WATCHDOG=fail`` keeps the
@@ -55,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import sys
 import threading
@@ -66,7 +68,9 @@ from . import flight
 from .errors import CollectiveTimeout
 
 __all__ = ["EXIT_CODE", "register", "handle_timeout", "skip_native_teardown", "guard", "mode", "Watchdog",
-           "WATCHDOG", "nccl_wait_ready", "make_nonblocking", "nccl_nonblocking_requested"]
+           "WATCHDOG", "nccl_wait_ready", "make_nonblocking", "nccl_nonblocking_requested", "running_calls"]
+
+log = logging.getLogger("streamcoll.watchdog")
 
 EXIT_CODE = 86
 GRACE_S = 1.0
@@ -211,7 +215,7 @@ class Watchdog:
             try:
                 self.check(comms)
             except Exception as e:  # never let the watchdog die silently
-                print(f"streamcoll watchdog: internal error: {e!r}", file=sys.stderr, flush=True)
+                log.error("streamcoll watchdog: internal error: %r", e)
             self._wake.wait(self._interval(comms))
             self._wake.clear()
 
@@ -231,13 +235,8 @@ class Watchdog:
             # call holds the exec lock, so nothing is issued after it: it is the newest entry, and
             # the scan goes newest first (after many async ops the oldest unfinished ones are
             # async). Its start is not recorded (hot path); its age counts from when it was first seen.
-            running = None
             last = comm.seq
-            for sq in range(last, max(fr.done, last - SCAN), -1):
-                e = fr.at(sq)
-                if e is not None and e.sync and sq not in fr.errors:
-                    running = e
-                    break
+            running = _running_sync(comm, last)
             if running is None:
                 fr.running_since = None
             else:
@@ -302,11 +301,7 @@ class Watchdog:
                          "(STREAMCOLL_WATCHDOG=fail).")
         msg = "\n".join(lines)
         self.fired.append(msg)
-        try:
-            sys.stderr.write(msg + "\n")
-            sys.stderr.flush()
-        except Exception:
-            pass
+        _report(msg)
         if comm._backend.name == "nccl":
             try:
                 comm.abort()
@@ -323,11 +318,7 @@ class Watchdog:
                + ".\n  Likely cause: another rank did not start, died, or uses a different address/port."
                + (f"\n  Ending this process now with exit code {EXIT_CODE}." if mode() == "exit" else ""))
         self.fired.append(msg)
-        try:
-            sys.stderr.write(msg + "\n")
-            sys.stderr.flush()
-        except Exception:
-            pass
+        _report(msg)
         if mode() == "exit":
             _exit_now()
 
@@ -347,6 +338,53 @@ class Watchdog:
             yield
         finally:
             self._guards.pop(key, None)
+
+
+def _running_sync(comm: Any, last: int) -> Any:
+    """The flight entry of the synchronous call in flight on ``comm``, or
+    None: a sync entry after the last that returned. An inline call holds
+    the exec lock, so nothing is issued after it: it is the newest entry, and
+    the scan goes newest first (after many async ops the oldest unfinished
+    ones are async)."""
+    fr = comm.flight
+    for sq in range(last, max(fr.done, last - SCAN), -1):
+        e = fr.at(sq)
+        if e is not None and e.sync and sq not in fr.errors:
+            return e
+    return None
+
+
+def running_calls() -> List[str]:
+    """One line per native call in flight in this process now (synchronous
+    calls, and async work on a CPU comm thread), for messages such as the
+    one on a Ctrl-C during a stuck call."""
+    out = []
+    now = flight.now_ns()
+    with WATCHDOG._lock:
+        comms = [c for c in WATCHDOG._comms if not c.destroyed]
+    for comm in comms:
+        fr = comm.flight
+        e = _running_sync(comm, comm.seq)
+        if e is not None:
+            rs = fr.running_since
+            age = f", running for {(now - rs[1]) / 1e9:.1f} s" if rs is not None and rs[0] == e.seq else ""
+            out.append(f"{e.op} (sequence number {e.seq}, synchronous) on communicator {comm.name!r} "
+                       f"(rank {comm.rank} of {comm.size}, {comm.backend}{age})")
+        inf = fr.inflight
+        if inf is not None:
+            out.append(f"{inf.op} (sequence number {inf.seq}, async, comm thread) on communicator "
+                       f"{comm.name!r} (rank {comm.rank} of {comm.size}, {comm.backend}, running for "
+                       f"{(now - (inf.t_start or inf.t_enq)) / 1e9:.1f} s)")
+    return out
+
+
+def _report(msg: str) -> None:
+    """A watchdog report: the ``streamcoll.watchdog`` logger at error level
+    (on stderr where the program configured no logging)."""
+    try:
+        log.error("%s", msg)
+    except Exception:
+        pass
 
 
 def _exit_now(code: int = EXIT_CODE) -> None:
