@@ -57,3 +57,47 @@ def test_watchdog_reports_through_the_logger(monkeypatch, caplog):
     (rec,) = [r for r in caplog.records if "init of test thing" in r.getMessage()]
     assert rec.name == "streamcoll.watchdog" and rec.levelno == logging.ERROR
     assert "has not completed after" in rec.getMessage()
+
+
+_GATHER = r"""
+import os, torch, streamcoll
+c = streamcoll.init(backend="oneccl", device="cpu", timeout=60)
+r, n = c.rank, c.size
+for _ in range(3):
+    g = [torch.empty(2) for _ in range(n)] if r == 0 else None
+    c.gather(torch.full((2,), float(r)), g, dst=0)
+    if r == 0:
+        assert [x.tolist() for x in g] == [[float(i)] * 2 for i in range(n)], g
+streamcoll.destroy()
+print("ok", r)
+"""
+
+
+@needs_oneccl
+@pytest.mark.world
+def test_two_rank_gather_prints_no_ccl_error(tmp_path):
+    """oneCCL prints ``not completed event is destroyed`` for each Send/Recv
+    issued in a group; a rank with a single transfer now issues it ungrouped
+    (before: one line per gather and rank at 2 ranks)."""
+    from world import LOOPBACK_ENV, free_port
+    port = free_port()
+    procs = []
+    for r in range(2):
+        env = dict(os.environ)
+        env.update(LOOPBACK_ENV)
+        env.update(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-c", _GATHER], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, cwd=str(tmp_path), start_new_session=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=120))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait(10)
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, err
+        assert out == f"ok {r}\n", (out, err)
+        assert "not completed event is destroyed" not in err, err
