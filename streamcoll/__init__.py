@@ -51,9 +51,11 @@ from .errors import (
     FunctionNotFoundError,
     LibraryError,
     LibraryNotFoundError,
+    BackendUnavailableError,
     MismatchError,
     NcclError,
     OnecclError,
+    RendezvousError,
 )
 from .grad_sync import GradientSync
 from .ops import PreMulSum, ReduceOp, premul_sum
@@ -74,4 +76,5 @@ __all__ = [
     "GradientSync", "ProcessGroupStreamcoll",
     "CollectiveError", "LibraryError", "NcclError", "OnecclError", "LibraryNotFoundError",
     "FunctionNotFoundError", "CommunicatorError", "CollectiveTimeout", "MismatchError",
+    "RendezvousError", "BackendUnavailableError",
 ]

@@ -9,9 +9,11 @@ oneCCL's own bootstrap and networking take over. Nothing home-made.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Iterator, Optional, Union
 
@@ -20,7 +22,9 @@ import torch
 from .backends import resolve
 from .communicator import Communicator, _seconds
 from .env import apply_nccl_defaults, apply_oneccl_defaults
-from .errors import CommunicatorError
+from .errors import CommunicatorError, RendezvousError
+
+log = logging.getLogger("streamcoll.bootstrap")
 
 __all__ = ["init", "new_communicator", "is_initialized", "get_rank", "get_world_size",
            "destroy", "default_communicator", "is_available"]
@@ -73,9 +77,43 @@ def _native_entry(backend: str) -> Iterator[None]:
         yield
 
 
+def _store_address() -> tuple:
+    addr = os.environ.get("MASTER_ADDR", "")
+    try:
+        port = int(os.environ.get("MASTER_PORT", "-1"))
+    except ValueError:
+        raise ValueError(f"environment variable MASTER_PORT: expected an integer port, "
+                         f"got {os.environ.get('MASTER_PORT')!r}") from None
+    return addr, port
+
+
+def _first_lines(e: BaseException) -> str:
+    """torch's store errors without the C++ frames they carry."""
+    out = []
+    for line in str(e).splitlines():
+        if line.startswith(("Exception raised from", "frame #")) or not line.strip():
+            break
+        out.append(line.strip())
+    return " ".join(out)[:300] or type(e).__name__
+
+
+def _progress_interval(timeout: float) -> float:
+    """How often a rendezvous that waits says so: 30 s for the default 600 s
+    timeout, down to 1 s for short ones."""
+    return max(1.0, min(30.0, timeout / 5))
+
+
 def _get_store(rank: int, world_size: int, timeout: float):
     """The default store: torch.distributed's if it is initialised, else the
-    ``env://`` rendezvous (created once per process and reused)."""
+    ``env://`` rendezvous's TCPStore (created once per process and reused).
+
+    The TCPStore is made as torch's env:// rendezvous makes it (rank 0 hosts
+    it, multi-tenant; under torchrun every rank is a client of the agent's
+    store), except that rank 0 does not wait inside the constructor for the
+    others (``wait_for_workers=False``): the host exchange that follows does
+    the waiting, says every so often which ranks it waits for, and raises a
+    :class:`RendezvousError` naming them at the timeout. A client that cannot
+    reach the store raises one too, without torch's C++ frames."""
     global _STORE
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
@@ -86,9 +124,149 @@ def _get_store(rank: int, world_size: int, timeout: float):
                 raise ValueError(
                     f"{var} is not set: launch with torchrun, set MASTER_ADDR/MASTER_PORT, or pass store="
                 )
-        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timedelta(seconds=timeout)))
+        addr, port = _store_address()
+        if not 0 <= port < 2 ** 16:
+            raise ValueError(f"environment variable MASTER_PORT: expected a port in [0, 65536), got {port}")
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+        master = rank == 0 and not agent
+        if not master:
+            _wait_for_server(addr, port, rank, world_size, timeout, agent)
+        try:
+            if master:
+                store = dist.TCPStore(addr, port, world_size, True, timedelta(seconds=timeout),
+                                      wait_for_workers=False, multi_tenant=True)
+            else:
+                store = dist.TCPStore(addr, port, world_size, False, timedelta(seconds=timeout))
+        except (RuntimeError, OSError) as e:  # DistNetworkError, DistStoreError
+            who = ("could not start the store server" if master else
+                   "no store server answered" if not agent else "torchrun's agent store did not answer")
+            raise RendezvousError(
+                f"rendezvous failed on rank {rank} of {world_size}: {who} at {addr}:{port} within {timeout:g} s "
+                f"({_first_lines(e)}). Check that rank 0 runs and that MASTER_ADDR/MASTER_PORT are the same on "
+                f"every rank and reachable from this host (WORLD_SIZE={os.environ.get('WORLD_SIZE')}).",
+                [0] if not master else [], addr, port, world_size, os.environ.get("WORLD_SIZE"),
+            ) from None
         _STORE = store
     return _STORE
+
+
+def _wait_for_server(addr: str, port: int, rank: int, world_size: int, timeout: float, agent: bool) -> None:
+    """Wait until the store's port accepts connections, with progress lines.
+
+    torch's TCPStore client retries a refused connection itself, but past
+    the timeout it takes up to twice as long and logs C++ stack frames on
+    each retry (measured: 20.6 s and 30 frames for ``timeout=10``); a plain
+    socket probe keeps the wait within the timeout and the output readable.
+    """
+    start = time.monotonic()
+    interval = _progress_interval(timeout)
+    next_report = start + interval
+    pause = 0.01
+    last = ""
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(2.0, timeout))):
+                return
+        except OSError as e:
+            last = f"{type(e).__name__}: {e}"
+        now = time.monotonic()
+        waited = now - start
+        env_ws = os.environ.get("WORLD_SIZE")
+        server = "torchrun's agent store" if agent else "the store server of rank 0"
+        if waited >= timeout:
+            raise RendezvousError(
+                f"rendezvous failed on rank {rank} of {world_size}: {server} at {addr}:{port} did not answer "
+                f"within {timeout:g} s (last attempt: {last}). Check that rank 0 runs and that "
+                f"MASTER_ADDR/MASTER_PORT are the same on every rank and reachable from this host "
+                f"(world size {world_size}, WORLD_SIZE={env_ws}).",
+                [] if agent else [0], addr, port, world_size, env_ws)
+        if now >= next_report:
+            log.warning("streamcoll: rank %d waiting for %s at %s:%d (world size %d, WORLD_SIZE=%s): %.0f s of %g s "
+                        "(%s)", rank, server, addr, port, world_size, env_ws, waited, timeout, last)
+            next_report = now + interval
+        time.sleep(min(pause, max(timeout - waited, 0.0)))
+        pause = min(pause * 2, 0.25)
+
+
+def _check_world_size(world_size: int) -> None:
+    """Without ``store=``, the ranks that meet are the launcher's (torchrun's
+    WORLD_SIZE) or torch.distributed's: a different ``world_size`` could only
+    time out, waiting for ranks that do not exist (or leave ranks out of
+    the env:// rendezvous), so it raises at once."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        n = dist.get_world_size()
+        if world_size > n:
+            raise ValueError(f"world_size: {world_size} ranks asked for, but torch.distributed's world (whose "
+                             f"store is used) has {n}; pass store= for a communicator over other ranks")
+        return
+    env = _env_int("WORLD_SIZE")
+    if env is not None and env != world_size:
+        who = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "the launcher"
+        raise ValueError(f"world_size: {world_size} disagrees with WORLD_SIZE={env} (set by {who}); the env:// "
+                         "rendezvous meets WORLD_SIZE ranks. Leave world_size unset, or pass store= for a "
+                         "communicator over other ranks")
+
+
+def _exchange_hosts(pstore: Any, rank: int, world_size: int, timeout: float, cname: str) -> set:
+    """Every rank publishes its host name and reads all of them (it decides
+    the single-host defaults); the first point where all ranks meet, so it
+    waits with progress lines and names the missing ranks at the timeout."""
+    host = socket.gethostname()
+    pstore.set(f"host/{rank}", host)
+    keys = [f"host/{r}" for r in range(world_size)]
+    start = time.monotonic()
+    interval = _progress_interval(timeout)
+    next_report = start + interval
+    pause = 0.001
+    # Polled with check(): a store wait() that times out logs a C++ warning each time.
+    while True:
+        try:
+            if pstore.check(keys):
+                break
+            missing: Optional[list] = None
+            err = ""
+        except (RuntimeError, OSError) as e:  # the store went away (its host died)
+            missing, err = None, _first_lines(e)
+        now = time.monotonic()
+        waited = now - start
+        if err or waited >= timeout or now >= next_report:
+            if not err:
+                try:
+                    missing = [r for r in range(world_size) if not pstore.check([keys[r]])]
+                except (RuntimeError, OSError) as e:
+                    err = _first_lines(e)
+                if missing == []:
+                    break
+            addr, port = _store_address() if "MASTER_PORT" in os.environ else ("", -1)
+            where = f" at {addr}:{port}" if addr else ""
+            env_ws = os.environ.get("WORLD_SIZE")
+            shown = _ranks_text(missing)
+            if err or waited >= timeout:
+                detail = (f"{shown} never joined within {timeout:g} s" if not err
+                          else f"the store stopped answering ({err})")
+                raise RendezvousError(
+                    f"rendezvous of communicator {cname!r} failed on rank {rank}: {detail} "
+                    f"(store{where}; world size {world_size}, WORLD_SIZE={env_ws}). Start every rank with the "
+                    "same MASTER_ADDR/MASTER_PORT and world size, or raise the timeout.",
+                    missing or [], addr, port, world_size, env_ws)
+            log.warning("streamcoll: rank %d waiting for %s to join communicator %r (store%s; world size %d, "
+                        "WORLD_SIZE=%s): %.0f s of %g s", rank, shown, cname, where, world_size, env_ws,
+                        waited, timeout)
+            next_report = now + interval
+        time.sleep(min(pause, max(timeout - waited, 0.0)))
+        pause = min(pause * 2, 0.1)
+    return {pstore.get(k).decode() for k in keys}
+
+
+def _ranks_text(ranks: Optional[list]) -> str:
+    """``rank 1``, ``ranks 1, 2``, ``ranks 0, 1, ... (900 in all)``."""
+    if not ranks:
+        return "ranks ?"
+    head = "rank " if len(ranks) == 1 else "ranks "
+    if len(ranks) > 16:
+        return head + ", ".join(map(str, ranks[:16])) + f", ... ({len(ranks)} in all)"
+    return head + ", ".join(map(str, ranks))
 
 
 def new_communicator(
@@ -122,6 +300,8 @@ def new_communicator(
         raise ValueError(f"rank: expected an int in [0, {world_size}), got {rank!r}")
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend: expected 'nccl', 'oneccl' or None, got {backend!r}")
+    if store is None:
+        _check_world_size(world_size)
     local_rank = _env_int("LOCAL_RANK", rank)
     local_size = _env_int("LOCAL_WORLD_SIZE", world_size)
     if device is None:
@@ -145,10 +325,9 @@ def new_communicator(
     pstore.set_timeout(timedelta(seconds=t))
 
     # Are all ranks on this host? Decides the single-host defaults.
-    host = socket.gethostname()
-    pstore.set(f"host/{rank}", host)
-    hosts = {pstore.get(f"host/{r}").decode() for r in range(world_size)}
-    single = hosts == {host}
+    cname = name or ("default" if n == 1 else f"comm{n}")
+    hosts = _exchange_hosts(pstore, rank, world_size, t, cname)
+    single = hosts == {socket.gethostname()}
     if b.name == "oneccl":
         apply_oneccl_defaults(single, local_rank, local_size)
     else:
@@ -162,7 +341,6 @@ def new_communicator(
         pstore.set("uid", uid)
     else:
         uid = pstore.get("uid")
-    cname = name or ("default" if n == 1 else f"comm{n}")
     from . import watchdog
     nonblocking = b.name == "nccl" and watchdog.nccl_nonblocking_requested()
     if nonblocking:  # polled with ncclCommGetAsyncError: times out with CollectiveTimeout

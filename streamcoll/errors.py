@@ -1,7 +1,19 @@
 """The streamcoll exception family.
 
-Every failure streamcoll reports derives from :class:`CollectiveError`, so one
-``except streamcoll.CollectiveError`` catches them all. Errors returned by a
+Two kinds of exception leave streamcoll:
+
+- **Argument errors** are ``TypeError`` (wrong type: ``async_op="yes"``, a
+  list where a tensor is expected) and ``ValueError`` (right type, wrong
+  value: a rank out of range, a negative timeout, ``STREAMCOLL_TIMEOUT=abc``,
+  ``world_size`` disagreeing with ``WORLD_SIZE``), as in torch and the
+  standard library. They are raised before any native call, so nothing is
+  half issued, and retrying with a fixed argument is safe.
+- **Everything else** (a library call failed, a timeout, a rendezvous that
+  did not complete, a destroyed or failed communicator, a backend that
+  cannot run here) derives from :class:`CollectiveError`, so one
+  ``except streamcoll.CollectiveError`` catches every failure that is not
+  the caller's argument. Errors of torch.distributed's store met during
+  rendezvous are turned into :class:`RendezvousError`. Errors returned by a
 native library carry the result code, its enum name, the library's error
 string and its last-error text (:class:`LibraryError` and the per-library
 subclasses). All of them pickle, because they cross process boundaries in
@@ -24,6 +36,8 @@ __all__ = [
     "CollectiveTimeout",
     "CommunicatorError",
     "MismatchError",
+    "RendezvousError",
+    "BackendUnavailableError",
 ]
 
 
@@ -162,3 +176,28 @@ class CollectiveTimeout(CommunicatorError, TimeoutError):
 
 class MismatchError(CollectiveError):
     """Ranks called different collectives (debug mode's cross-rank check)."""
+
+
+class RendezvousError(CollectiveError):
+    """The ranks did not all meet before the timeout (or the store could not
+    be reached). Names the ranks still missing, the store's address and
+    port, and the world sizes (the one asked for and ``WORLD_SIZE``)."""
+
+    def __init__(self, message: str, missing: Optional[Sequence[int]] = None, address: str = "",
+                 port: int = -1, world_size: int = -1, env_world_size: Optional[str] = None) -> None:
+        self.message = message
+        self.missing = list(missing or [])
+        self.address = address
+        self.port = port
+        self.world_size = world_size
+        self.env_world_size = env_world_size
+        CollectiveError.__init__(self, message)
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.missing, self.address, self.port, self.world_size,
+                             self.env_world_size))
+
+
+class BackendUnavailableError(CollectiveError):
+    """The backend cannot run on this machine (``backend="nccl"`` with a torch
+    build without CUDA, or no GPU)."""
