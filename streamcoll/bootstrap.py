@@ -22,7 +22,7 @@ import torch
 from .backends import resolve
 from .communicator import Communicator, _seconds
 from .env import apply_nccl_defaults, apply_oneccl_defaults
-from .errors import CommunicatorError, RendezvousError
+from .errors import BackendUnavailableError, CommunicatorError, RendezvousError
 
 log = logging.getLogger("streamcoll.bootstrap")
 
@@ -311,6 +311,11 @@ def new_communicator(
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device: expected a torch device or string like 'cpu' or 'cuda:0', got {device!r}") from e
     b, device = resolve(backend.lower() if backend else None, device)
+    if (b.name == "nccl" or device.type == "cuda") and not torch.cuda.is_available():
+        why = (f"this torch build has no CUDA (torch {torch.__version__})" if torch.version.cuda is None
+               else "no CUDA GPU is visible (CUDA_VISIBLE_DEVICES, driver)")
+        raise BackendUnavailableError(f"backend {b.name!r} on {device} needs a CUDA GPU: {why}; use "
+                                      "backend='oneccl' (device 'cpu') here")
     if device.type in ("cuda", "xpu") and device.index is None:
         device = torch.device(device.type, local_rank)
 

@@ -66,14 +66,36 @@ _SUM = ReduceOp.SUM
 DEFAULT_TIMEOUT = 600.0  # seconds, as torch.distributed's default for NCCL
 
 
-def _seconds(timeout: Union[None, float, timedelta]) -> float:
+def _env_timeout() -> float:
+    """``STREAMCOLL_TIMEOUT`` (seconds, default 600), checked: a bad value
+    names the variable instead of failing later in a store."""
+    v = os.environ.get("STREAMCOLL_TIMEOUT")
+    if v is None or not v.strip():
+        return DEFAULT_TIMEOUT
+    try:
+        t = float(v)
+    except ValueError:
+        raise ValueError(f"environment variable STREAMCOLL_TIMEOUT: expected a positive number of seconds, "
+                         f"got {v!r}") from None
+    if not t > 0 or t == float("inf"):
+        raise ValueError(f"environment variable STREAMCOLL_TIMEOUT: expected a positive finite number of "
+                         f"seconds, got {v!r}")
+    return t
+
+
+def _seconds(timeout: Union[None, float, timedelta], name: str = "timeout") -> float:
+    """A timeout argument in seconds (positive, finite); None: ``STREAMCOLL_TIMEOUT``."""
     if timeout is None:
-        return float(os.environ.get("STREAMCOLL_TIMEOUT", DEFAULT_TIMEOUT))
+        return _env_timeout()
     if isinstance(timeout, timedelta):
-        return timeout.total_seconds()
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout: expected a positive number of seconds or a timedelta, got {timeout!r}")
-    return float(timeout)
+        t = timeout.total_seconds()
+    elif isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}: expected a number of seconds or a timedelta, got {timeout!r}")
+    else:
+        t = float(timeout)
+    if not t > 0 or t == float("inf"):
+        raise ValueError(f"{name}: expected a positive number of seconds or a timedelta, got {timeout!r}")
+    return t
 
 
 class P2POp:
@@ -443,6 +465,13 @@ class Communicator:
             async_op = bool(async_op)
         if self._handle is None or self._failed is not None:
             self._check_usable()
+        if stream is not None:
+            if not self._gpu:
+                raise ValueError(f"stream: {name} on a CPU communicator runs on the calling thread; there is no "
+                                 f"stream to pass (got {stream!r})")
+            if not (hasattr(stream, "cuda_stream") or hasattr(stream, "sycl_queue") or isinstance(stream, torch.Stream)):
+                raise TypeError(f"stream: expected a {self._dev_type} stream (torch.{self._dev_type}.Stream) or "
+                                f"None, got {type(stream).__name__}")
         if self._coalescing is not None and self._coalescing_thread == threading.get_ident():
             self._coalescing.append((name, plan))
             return None

@@ -140,6 +140,11 @@ class CollectiveTimeout(CommunicatorError, TimeoutError):
 
     Names the op, its sequence number on the communicator, the tensor shapes
     and the ranks, so the rank that hung can be found from any rank's log.
+
+    ``stuck``: True when the call was declared stuck (it outlived the
+    communicator's timeout: the communicator is failed, later calls raise);
+    False when only a shorter ``Work.wait(timeout)`` ran out while the call
+    is still running (slow, not failed: waiting again may succeed).
     """
 
     def __init__(
@@ -151,7 +156,9 @@ class CollectiveTimeout(CommunicatorError, TimeoutError):
         rank: int = -1,
         size: int = -1,
         detail: str = "",
+        stuck: bool = True,
     ) -> None:
+        self.stuck = stuck
         self.op = op
         self.seq = seq
         self.timeout = timeout
@@ -170,7 +177,7 @@ class CollectiveTimeout(CommunicatorError, TimeoutError):
     def __reduce__(self):
         return (
             type(self),
-            (self.op, self.seq, self.timeout, self.shapes, self.rank, self.size, self.detail),
+            (self.op, self.seq, self.timeout, self.shapes, self.rank, self.size, self.detail, self.stuck),
         )
 
 

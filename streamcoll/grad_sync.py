@@ -114,6 +114,9 @@ class GradientSync:
                 raise TypeError(f"params[{i}]: expected a floating-point parameter, got {p.dtype}")
             seen.add(id(p))
             plist.append(p)
+        if not plist:
+            raise ValueError("params: no trainable parameters (every one has requires_grad=False, or none was "
+                             "given); GradientSync would synchronise nothing")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
             raise ValueError(f"bucket_mb: expected a positive number of MiB, got {bucket_mb!r}")
         name, factor = canonical_op(op)
