@@ -86,7 +86,12 @@ class GradientSync:
     (default: streamcoll's default one). ``record_timeline``: keep
     ``perf_counter`` times of gradient readiness, bucket launches and bucket
     completions since the last ``clear_timeline()`` (``timeline()``), for
-    profiling the overlap.
+    profiling the overlap. ``sync_initial_state`` (default True): broadcast
+    rank 0's values of every given parameter (frozen ones too) and, for a
+    Module, its buffers, at construction, as DDP does; pass False where the
+    replicas are already equal (loaded from one checkpoint) to skip the
+    broadcast. Construction is then collective: every rank constructs it.
+    Raises ValueError when no parameter requires a gradient.
     """
 
     def __init__(
@@ -96,17 +101,26 @@ class GradientSync:
         op: Any = ReduceOp.AVG,
         group: Optional[Communicator] = None,
         record_timeline: bool = False,
+        sync_initial_state: bool = True,
     ) -> None:
+        buffers: List[torch.Tensor] = []
         if isinstance(params, torch.nn.Module):
+            buffers = list(params.buffers())
             params = params.parameters()
         if isinstance(params, torch.Tensor):
             raise TypeError("params: expected an iterable of parameters (or a Module), got a single tensor")
+        if not isinstance(sync_initial_state, bool):
+            raise TypeError(f"sync_initial_state: expected a bool, got {sync_initial_state!r}")
         plist: List[torch.nn.Parameter] = []
+        state: List[torch.Tensor] = []  # every tensor given (frozen ones too), then the buffers
         seen = set()
         for i, p in enumerate(params):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"params[{i}]: expected a torch.Tensor (nn.Parameter), got {type(p).__name__}")
+            if id(p) not in seen:
+                state.append(p)
             if not p.requires_grad or id(p) in seen:
+                seen.add(id(p))
                 continue
             if not p.is_leaf:
                 raise ValueError(f"params[{i}]: expected a leaf tensor (a parameter); gradients of non-leaf tensors are not accumulated")
@@ -143,7 +157,35 @@ class GradientSync:
         self.steps = 0
         self.buffer_allocations = 0
         self._build(list(range(len(plist)))[::-1])
+        if sync_initial_state:
+            self._broadcast_state(state + [b for b in buffers if id(b) not in seen])
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in plist]
+
+    def _broadcast_state(self, tensors: List[torch.Tensor]) -> None:
+        """Rank 0's values for ``tensors`` on every rank, as DDP's
+        construction does (``_sync_module_states``): replicas initialised
+        with different seeds would otherwise train apart silently, their
+        averaged gradients applied to different weights. Flat buffers per
+        dtype and device, up to ``bucket_mb`` each; a collective every rank
+        must reach (constructing GradientSync is collective)."""
+        groups: Dict[tuple, List[List[torch.Tensor]]] = {}
+        for t in tensors:
+            if t.numel() == 0:
+                continue
+            g = groups.setdefault((t.dtype, t.device), [[]])
+            if g[-1] and sum(x.numel() * x.element_size() for x in g[-1]) + t.numel() * t.element_size() > self._cap:
+                g.append([])
+            g[-1].append(t)
+        with torch.no_grad():
+            for chunks in groups.values():
+                for chunk in chunks:
+                    flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+                    self._comm.broadcast(flat, 0)
+                    off = 0
+                    for t in chunk:
+                        n = t.numel()
+                        t.copy_(flat[off:off + n].view_as(t))
+                        off += n
 
     # ------------------------------------------------------------ layout
     def _build(self, order: List[int]) -> None:
