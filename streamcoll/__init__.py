@@ -54,8 +54,10 @@ from .errors import (
     BackendUnavailableError,
     MismatchError,
     NcclError,
+    NotSupportedError,
     OnecclError,
     RendezvousError,
+    UsageError,
 )
 from .grad_sync import GradientSync
 from .ops import PreMulSum, ReduceOp, premul_sum
@@ -76,5 +78,5 @@ __all__ = [
     "GradientSync", "ProcessGroupStreamcoll",
     "CollectiveError", "LibraryError", "NcclError", "OnecclError", "LibraryNotFoundError",
     "FunctionNotFoundError", "CommunicatorError", "CollectiveTimeout", "MismatchError",
-    "RendezvousError", "BackendUnavailableError",
+    "RendezvousError", "BackendUnavailableError", "UsageError", "NotSupportedError",
 ]

@@ -22,7 +22,7 @@ import torch
 from .backends import resolve
 from .communicator import Communicator, _seconds
 from .env import apply_nccl_defaults, apply_oneccl_defaults
-from .errors import BackendUnavailableError, CommunicatorError, RendezvousError
+from .errors import BackendUnavailableError, CommunicatorError, RendezvousError, UsageError
 
 log = logging.getLogger("streamcoll.bootstrap")
 
@@ -345,7 +345,12 @@ def new_communicator(
             uid = b.unique_id()
         pstore.set("uid", uid)
     else:
-        uid = pstore.get("uid")
+        try:
+            uid = pstore.get("uid")
+        except (RuntimeError, OSError) as e:  # DistStoreError: rank 0 went away after the host exchange
+            raise RendezvousError(f"rendezvous of communicator {cname!r} failed on rank {rank}: rank 0 did not "
+                                  f"publish the unique id within {t:g} s ({_first_lines(e)})",
+                                  [0], *_store_address(), world_size, os.environ.get("WORLD_SIZE")) from None
     from . import watchdog
     nonblocking = b.name == "nccl" and watchdog.nccl_nonblocking_requested()
     if nonblocking:  # polled with ncclCommGetAsyncError: times out with CollectiveTimeout
@@ -373,7 +378,7 @@ def init(
     (``streamcoll.all_reduce(...)``) and return it. See :func:`new_communicator`."""
     global _DEFAULT
     if _DEFAULT is not None and not _DEFAULT._destroyed:
-        raise RuntimeError("streamcoll.init() was already called; call streamcoll.destroy() first")
+        raise UsageError("streamcoll.init() was already called; call streamcoll.destroy() first")
     _DEFAULT = new_communicator(backend, device, timeout, store, rank, world_size, record_stream, name="default")
     return _DEFAULT
 

@@ -47,7 +47,7 @@ from . import debug as _debug
 from . import recorder as _flight
 from . import spec as _spec
 from .backends import Backend
-from .errors import CollectiveTimeout, CommunicatorError
+from .errors import CollectiveTimeout, CommunicatorError, UsageError
 from .recorder import FlightEntry
 from .launch import build_fast_path, build_sync_launcher
 from .ops import ReduceOp
@@ -540,7 +540,7 @@ class Communicator:
         rt = self._rt
         if self._gpu and rt.is_capturing():
             # before a sequence number is taken: nothing was issued
-            raise RuntimeError(
+            raise UsageError(
                 f"{name}(async_op=True) during CUDA graph capture is not supported; use async_op=False "
                 "(it launches on the capturing stream)"
             )
@@ -617,7 +617,7 @@ class Communicator:
         handle whose ``work`` is the Work (``async_op=True``) once the block
         exits, and whose ``wait()`` waits for it."""
         if self._coalescing is not None:
-            raise RuntimeError("coalescing() blocks do not nest")
+            raise UsageError("coalescing() blocks do not nest")
         handle = _Coalesced()
         self._coalescing = ops = []
         self._coalescing_thread = threading.get_ident()

@@ -38,6 +38,8 @@ __all__ = [
     "MismatchError",
     "RendezvousError",
     "BackendUnavailableError",
+    "UsageError",
+    "NotSupportedError",
 ]
 
 
@@ -208,3 +210,14 @@ class RendezvousError(CollectiveError):
 class BackendUnavailableError(CollectiveError):
     """The backend cannot run on this machine (``backend="nccl"`` with a torch
     build without CUDA, or no GPU)."""
+
+
+class UsageError(CollectiveError):
+    """A call made in a state where it cannot work (``init()`` twice, nested
+    ``coalescing()``, ``GradientSync.finish()`` inside ``no_sync()``, ...).
+    Subclass of RuntimeError (through CollectiveError), as before."""
+
+
+class NotSupportedError(CollectiveError, NotImplementedError):
+    """The operation exists but not on this backend, library version or
+    device (also a NotImplementedError)."""

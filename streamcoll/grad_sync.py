@@ -48,6 +48,7 @@ import torch
 
 from . import bootstrap
 from .communicator import Communicator
+from .errors import UsageError
 from .ops import ReduceOp, canonical_op
 
 __all__ = ["GradientSync"]
@@ -230,14 +231,14 @@ class GradientSync:
             return
         i = self._index[id(p)]
         if self._ready[i]:
-            raise RuntimeError(
+            raise UsageError(
                 f"GradientSync: the gradient of parameter {i} (shape {tuple(p.shape)}) became ready twice "
                 "before finish(); call finish() after every synchronised backward, and wrap "
                 "accumulation-only backward passes in no_sync()"
             )
         g = p.grad
         if g is None or g.is_sparse:
-            raise RuntimeError(f"GradientSync: parameter {i} has {'a sparse' if g is not None else 'no'} gradient; "
+            raise UsageError(f"GradientSync: parameter {i} has {'a sparse' if g is not None else 'no'} gradient; "
                                "dense gradients only")
         self._ready[i] = True
         if self._order is not None:
@@ -281,7 +282,7 @@ class GradientSync:
         gradient on this rank), wait for all of them and write the reduced
         gradients into ``.grad``. Call it before ``optimizer.step()``."""
         if self._no_sync:
-            raise RuntimeError("GradientSync.finish(): called inside no_sync(); call it after the synchronised backward")
+            raise UsageError("GradientSync.finish(): called inside no_sync(); call it after the synchronised backward")
         plist = self._params
         for b in self._buckets[self._next:]:
             if b.pending:

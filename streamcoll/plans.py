@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ._ffi._common import read_declarations
+from .errors import NotSupportedError
 from .ops import ReduceOp, canonical_op, op_key
 from .spec import TABLE, CollectiveSpec, Plan, c_roles
 from .validation import as_tensor, check_list, check_rank, check_same
@@ -114,7 +115,7 @@ class PlanContext:
         if f is None:
             fname = self.backend.funcs.get(name)
             if fname is None:
-                raise NotImplementedError(f"{name} is not available on backend {self.backend.name!r}")
+                raise NotSupportedError(f"{name} is not available on backend {self.backend.name!r}")
             getattr(self.lib, fname)  # raises FunctionNotFoundError naming the version
         return f
 

@@ -124,3 +124,32 @@ def test_wait_for_the_communicators_timeout_declares_the_call_stuck(monkeypatch)
     finally:
         time.sleep(1.6)  # let the sleeping "call" finish before destroy
         c.destroy()
+
+
+def test_one_exception_family(comm):
+    """Argument errors are TypeError/ValueError; state errors are
+    CollectiveError subclasses (before: plain RuntimeError escaped
+    ``except CollectiveError``)."""
+    with pytest.raises(TypeError, match="async_op: expected a bool"):
+        comm.all_reduce(torch.ones(2), async_op="yes")
+    with comm.coalescing():
+        with pytest.raises(streamcoll.UsageError, match="do not nest"):
+            with comm.coalescing():
+                pass
+    c = streamcoll.init(backend="oneccl", device="cpu", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        with pytest.raises(streamcoll.CollectiveError, match="already called"):
+            streamcoll.init(backend="oneccl", device="cpu", rank=0, world_size=1, store=dist.HashStore())
+    finally:
+        streamcoll.destroy()
+    assert c.destroyed
+    for name in ("RendezvousError", "BackendUnavailableError", "UsageError", "NotSupportedError",
+                 "CollectiveTimeout", "LibraryError"):
+        assert issubclass(getattr(streamcoll, name), streamcoll.CollectiveError), name
+    assert issubclass(streamcoll.NotSupportedError, NotImplementedError)
+    import pickle
+    e = streamcoll.RendezvousError("m", [1], "127.0.0.1", 5, 2, "2")
+    e2 = pickle.loads(pickle.dumps(e))
+    assert (e2.missing, e2.port, str(e2)) == ([1], 5, "m")
+    t = pickle.loads(pickle.dumps(streamcoll.CollectiveTimeout("x", 1, 2.0, stuck=False)))
+    assert t.stuck is False
