@@ -384,10 +384,13 @@ def init(
 
 
 def is_initialized() -> bool:
+    """Whether :func:`init` made a default communicator that is not destroyed."""
     return _DEFAULT is not None and not _DEFAULT._destroyed
 
 
 def default_communicator() -> Communicator:
+    """The communicator :func:`init` made (what ``group=None`` means).
+    Raises CommunicatorError before ``init()`` or after ``destroy()``."""
     c = _DEFAULT
     if c is None or c._destroyed:
         raise CommunicatorError("streamcoll is not initialised: call streamcoll.init() first (or pass group=)")
@@ -395,10 +398,12 @@ def default_communicator() -> Communicator:
 
 
 def get_rank(group: Optional[Communicator] = None) -> int:
+    """This process's rank in ``group`` (default: the default communicator)."""
     return (group or default_communicator()).rank
 
 
 def get_world_size(group: Optional[Communicator] = None) -> int:
+    """The number of ranks of ``group`` (default: the default communicator)."""
     return (group or default_communicator()).size
 
 

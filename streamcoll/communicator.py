@@ -251,24 +251,30 @@ class Communicator:
     # ------------------------------------------------------------ properties
     @property
     def rank(self) -> int:
+        """This process's rank in the communicator."""
         return self._rank
 
     @property
     def size(self) -> int:
+        """The number of ranks."""
         return self._size
 
     def get_rank(self) -> int:
+        """:attr:`rank` (torch.distributed's spelling)."""
         return self._rank
 
     def get_world_size(self) -> int:
+        """:attr:`size` (torch.distributed's spelling)."""
         return self._size
 
     @property
     def device(self) -> torch.device:
+        """The device the communicator's tensors live on."""
         return self._device
 
     @property
     def backend(self) -> str:
+        """``"nccl"`` or ``"oneccl"``."""
         return self._backend.name
 
     @property
@@ -294,14 +300,17 @@ class Communicator:
 
     @property
     def destroyed(self) -> bool:
+        """Whether :meth:`destroy` ran (later calls raise CommunicatorError)."""
         return self._destroyed
 
     @property
     def is_gpu(self) -> bool:
+        """Whether the device is a GPU (CUDA or XPU): async work runs on comm streams."""
         return self._gpu
 
     @property
     def store(self) -> Any:
+        """The torch.distributed store the communicator was created with (prefixed)."""
         return self._store
 
     def __repr__(self) -> str:

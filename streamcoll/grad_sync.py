@@ -336,6 +336,7 @@ class GradientSync:
                 "done": dict(self._done_times)}
 
     def clear_timeline(self) -> None:
+        """Forget the recorded times (``record_timeline=True``)."""
         self._ready_times.clear()
         self._launch_times.clear()
         self._done_times.clear()

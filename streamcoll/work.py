@@ -112,6 +112,7 @@ class Work:
         return self._rt.query(self._event)
 
     def is_success(self) -> bool:
+        """Whether the collective completed without an error (never blocks)."""
         return self.is_completed() and self._rt.error(self._event) is None
 
     def exception(self) -> Optional[BaseException]:
