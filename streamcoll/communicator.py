@@ -475,12 +475,7 @@ class Communicator:
         if self._handle is None or self._failed is not None:
             self._check_usable()
         if stream is not None:
-            if not self._gpu:
-                raise ValueError(f"stream: {name} on a CPU communicator runs on the calling thread; there is no "
-                                 f"stream to pass (got {stream!r})")
-            if not (hasattr(stream, "cuda_stream") or hasattr(stream, "sycl_queue") or isinstance(stream, torch.Stream)):
-                raise TypeError(f"stream: expected a {self._dev_type} stream (torch.{self._dev_type}.Stream) or "
-                                f"None, got {type(stream).__name__}")
+            self._check_stream(name, stream)
         if self._coalescing is not None and self._coalescing_thread == threading.get_ident():
             self._coalescing.append((name, plan))
             return None
@@ -490,6 +485,21 @@ class Communicator:
                                  "stream; make the stream current (torch.cuda.stream(s)) instead of passing stream=")
             return self._launch_async(name, plan)
         return self._launch_sync(name, plan, stream)
+
+    def _check_stream(self, name: str, stream: Any) -> None:
+        """``stream=`` must be a stream of this communicator's device type.
+        On the CPU the one stream is the calling thread: a CPU stream
+        (``torch.cpu.current_stream()``, what device-agnostic code passes)
+        is accepted and changes nothing; anything else is an error instead
+        of being ignored."""
+        if self._gpu:
+            if hasattr(stream, "cuda_stream") or hasattr(stream, "sycl_queue") or isinstance(stream, torch.Stream):
+                return
+        elif isinstance(stream, torch.cpu.Stream) or (isinstance(stream, torch.Stream)
+                                                       and getattr(stream, "device_type", None) in ("cpu", 0)):
+            return
+        raise TypeError(f"stream: {name} on a {self._dev_type} communicator expects a {self._dev_type} stream "
+                        f"(torch.{self._dev_type}.Stream) or None, got {stream!r}")
 
     def _run_queued_sync(self, name: str, plan: Plan) -> None:
         """A synchronous CPU call made while async work is queued: it goes

@@ -43,6 +43,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import Any, Iterator, List, Optional
 
 __all__ = ["logger", "quiet_oneccl_startup"]
@@ -81,7 +82,9 @@ def _route(line: bytes, real: int) -> None:
         os.write(real, line)
 
 
-def _pump(rfd: int, real: int) -> None:
+def _pump(rfd: int, real: int, partial: List[bytes]) -> None:
+    """Forward what arrives on ``rfd`` line by line; ``partial[0]`` is the
+    unfinished line (the caller waits for it before giving fd 1 back)."""
     buf = b""
     while True:
         try:
@@ -92,8 +95,10 @@ def _pump(rfd: int, real: int) -> None:
             break
         buf += chunk
         *lines, buf = buf.split(b"\n")
+        partial[0] = buf
         for line in lines:
             _route(line + b"\n", real)
+    partial[0] = b""
     if buf:
         _route(buf, real)
     os.close(rfd)
@@ -113,6 +118,7 @@ def quiet_oneccl_startup() -> Iterator[None]:
         return
     saved: Optional[int] = None
     thread: Optional[threading.Thread] = None
+    partial: List[bytes] = [b""]
     try:
         try:
             sys.stdout.flush()
@@ -123,7 +129,7 @@ def quiet_oneccl_startup() -> Iterator[None]:
         rfd, wfd = os.pipe()
         os.dup2(wfd, 1)
         os.close(wfd)
-        thread = threading.Thread(target=_pump, args=(rfd, saved), name="streamcoll-stdout", daemon=True)
+        thread = threading.Thread(target=_pump, args=(rfd, saved, partial), name="streamcoll-stdout", daemon=True)
         thread.start()
     except OSError as e:  # no fd 1 (a daemon): nothing to keep clean
         logger.debug("stdout not captured during oneCCL start-up: %s", e)
@@ -140,6 +146,12 @@ def quiet_oneccl_startup() -> Iterator[None]:
                 sys.stdout.flush()
             except Exception:
                 pass
+            # A line still unfinished (its newline written after the text) is waited for, briefly:
+            # given fd 1 back now, its newline would land on stdout as an empty line (seen once).
+            deadline = time.monotonic() + 0.5
+            while partial[0] and time.monotonic() < deadline:
+                time.sleep(0.005)
+                _fflush()
             os.dup2(saved, 1)  # the pipe's last write end is gone: the pump reads EOF
             if thread is not None:
                 thread.join(2.0)

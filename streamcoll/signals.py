@@ -119,6 +119,28 @@ def watch_interrupts() -> bool:
         return True
 
 
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker) has no watcher thread, and its
+    signals must not reach the parent's through the shared pipe: Python's
+    handler would write them there."""
+    if _WATCH.get("pid") is None:
+        return
+    try:
+        signal.set_wakeup_fd(-1)
+    except (ValueError, OSError):  # not the child's main thread
+        pass
+    for k in ("rfd", "wfd"):
+        try:
+            os.close(_WATCH[k])
+        except (KeyError, OSError):
+            pass
+    _WATCH.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _handled_by_python(signum: int) -> bool:
     try:
         h = signal.getsignal(signum)

@@ -107,3 +107,33 @@ def test_world_size_cross_check_in_process(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ValueError, match="world_size: 3 disagrees with WORLD_SIZE=2"):
         streamcoll.new_communicator(backend="oneccl", device="cpu", world_size=3)
+
+
+_TORCHRUN_OK = r"""
+import torch, streamcoll
+c = streamcoll.init(backend="oneccl", device="cpu", timeout=60)
+t = torch.full((4,), float(c.rank + 1))
+c.all_reduce(t)
+g = [torch.empty(1) for _ in range(c.size)] if c.rank == 0 else None
+c.gather(torch.full((1,), float(c.rank)), g, dst=0)
+import os
+os.write(1, f"rank {c.rank}: {t.tolist()}\n".encode())  # one write: the ranks share torchrun's stdout
+streamcoll.destroy()
+"""
+
+
+def test_torchrun_agent_store_and_quiet_stdout(tmp_path):
+    """Under torchrun every rank is a client of the agent's store (created
+    here as torch's env:// rendezvous creates it); the run prints only the
+    script's own lines on stdout."""
+    script = tmp_path / "ok.py"
+    script.write_text(_TORCHRUN_OK)
+    env = dict(os.environ)
+    env.update(LOOPBACK_ENV)
+    env.pop("CCL_LOG_LEVEL", None)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(free_port()), str(script)], env=env, capture_output=True,
+                       text=True, timeout=120, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(p.stdout.splitlines()) == ["rank 0: [3.0, 3.0, 3.0, 3.0]", "rank 1: [3.0, 3.0, 3.0, 3.0]"], (p.stdout, p.stderr)
+    assert "CCL_" not in p.stderr and "frame #" not in p.stderr, p.stderr
