@@ -474,7 +474,7 @@ class Communicator:
             async_op = bool(async_op)
         if self._handle is None or self._failed is not None:
             self._check_usable()
-        if stream is not None:
+        if stream is not None and not async_op:  # with async_op: the ValueError below
             self._check_stream(name, stream)
         if self._coalescing is not None and self._coalescing_thread == threading.get_ident():
             self._coalescing.append((name, plan))
