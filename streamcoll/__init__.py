@@ -51,9 +51,13 @@ from .errors import (
     FunctionNotFoundError,
     LibraryError,
     LibraryNotFoundError,
+    BackendUnavailableError,
     MismatchError,
     NcclError,
+    NotSupportedError,
     OnecclError,
+    RendezvousError,
+    UsageError,
 )
 from .grad_sync import GradientSync
 from .ops import PreMulSum, ReduceOp, premul_sum
@@ -74,4 +78,5 @@ __all__ = [
     "GradientSync", "ProcessGroupStreamcoll",
     "CollectiveError", "LibraryError", "NcclError", "OnecclError", "LibraryNotFoundError",
     "FunctionNotFoundError", "CommunicatorError", "CollectiveTimeout", "MismatchError",
+    "RendezvousError", "BackendUnavailableError", "UsageError", "NotSupportedError",
 ]

@@ -114,10 +114,12 @@ def info(out: Optional[TextIO] = None) -> int:
         _library_report(binding, out)
         w("\n")
 
-    w("environment:\n")
-    for name in env.RELEVANT:
-        val = os.environ.get(name)
-        w(f"  {name}={val}\n" if val is not None else f"  {name} (not set)\n")
+    from .env_vars import TABLE
+    w("environment (streamcoll/env_vars.py says what each does):\n")
+    for var in TABLE:
+        val = os.environ.get(var.name)
+        w(f"  {var.name}={val}\n" if val is not None else f"  {var.name} (not set) [{var.kind}, default "
+          f"{var.default or 'none'}]\n")
     w("\n")
     if env.APPLIED:
         w("defaults streamcoll applied in this process:\n")

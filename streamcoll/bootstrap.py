@@ -8,19 +8,24 @@ oneCCL's own bootstrap and networking take over. Nothing home-made.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import socket
 import threading
+import time
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Iterator, List, Optional, Union
 
 import torch
 
 from .backends import resolve
 from .communicator import Communicator, _seconds
 from . import env, topology
-from .errors import CommunicatorError
+from .errors import BackendUnavailableError, CommunicatorError, RendezvousError, UsageError
+
+log = logging.getLogger("streamcoll.bootstrap")
 
 __all__ = ["init", "new_communicator", "is_initialized", "get_rank", "get_world_size",
            "destroy", "default_communicator", "is_available"]
@@ -59,9 +64,58 @@ def _default_device(backend: Optional[str], local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+@contextlib.contextmanager
+def _native_entry(backend: str) -> Iterator[None]:
+    """Around the calls that may be the process's first into the library:
+    oneCCL sets itself up there, printing a line on stdout (kept off it, see
+    :mod:`streamcoll.logs`) and installing signal handlers (Python's are put
+    back for SIGINT/SIGTERM, see :mod:`streamcoll.signals`)."""
+    from .logs import quiet_oneccl_startup
+    from .signals import native_entry
+    if backend != "oneccl":
+        yield
+        return
+    with native_entry(), quiet_oneccl_startup():
+        yield
+
+
+def _store_address() -> tuple:
+    addr = os.environ.get("MASTER_ADDR", "")
+    try:
+        port = int(os.environ.get("MASTER_PORT", "-1"))
+    except ValueError:
+        raise ValueError(f"environment variable MASTER_PORT: expected an integer port, "
+                         f"got {os.environ.get('MASTER_PORT')!r}") from None
+    return addr, port
+
+
+def _first_lines(e: BaseException) -> str:
+    """torch's store errors without the C++ frames they carry."""
+    out = []
+    for line in str(e).splitlines():
+        if line.startswith(("Exception raised from", "frame #")) or not line.strip():
+            break
+        out.append(line.strip())
+    return " ".join(out)[:300] or type(e).__name__
+
+
+def _progress_interval(timeout: float) -> float:
+    """How often a rendezvous that waits says so: 30 s for the default 600 s
+    timeout, down to 1 s for short ones."""
+    return max(1.0, min(30.0, timeout / 5))
+
+
 def _get_store(rank: int, world_size: int, timeout: float):
     """The default store: torch.distributed's if it is initialised, else the
-    ``env://`` rendezvous (created once per process and reused)."""
+    ``env://`` rendezvous's TCPStore (created once per process and reused).
+
+    The TCPStore is made as torch's env:// rendezvous makes it (rank 0 hosts
+    it, multi-tenant; under torchrun every rank is a client of the agent's
+    store), except that rank 0 does not wait inside the constructor for the
+    others (``wait_for_workers=False``): the host exchange that follows does
+    the waiting, says every so often which ranks it waits for, and raises a
+    :class:`RendezvousError` naming them at the timeout. A client that cannot
+    reach the store raises one too, without torch's C++ frames."""
     global _STORE
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
@@ -72,9 +126,146 @@ def _get_store(rank: int, world_size: int, timeout: float):
                 raise ValueError(
                     f"{var} is not set: launch with torchrun, set MASTER_ADDR/MASTER_PORT, or pass store="
                 )
-        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timedelta(seconds=timeout)))
+        addr, port = _store_address()
+        if not 0 <= port < 2 ** 16:
+            raise ValueError(f"environment variable MASTER_PORT: expected a port in [0, 65536), got {port}")
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+        master = rank == 0 and not agent
+        if not master:
+            _wait_for_server(addr, port, rank, world_size, timeout, agent)
+        try:
+            if master:
+                store = dist.TCPStore(addr, port, world_size, True, timedelta(seconds=timeout),
+                                      wait_for_workers=False, multi_tenant=True)
+            else:
+                store = dist.TCPStore(addr, port, world_size, False, timedelta(seconds=timeout))
+        except (RuntimeError, OSError) as e:  # DistNetworkError, DistStoreError
+            who = ("could not start the store server" if master else
+                   "no store server answered" if not agent else "torchrun's agent store did not answer")
+            raise RendezvousError(
+                f"rendezvous failed on rank {rank} of {world_size}: {who} at {addr}:{port} within {timeout:g} s "
+                f"({_first_lines(e)}). Check that rank 0 runs and that MASTER_ADDR/MASTER_PORT are the same on "
+                f"every rank and reachable from this host (WORLD_SIZE={os.environ.get('WORLD_SIZE')}).",
+                [0] if not master else [], addr, port, world_size, os.environ.get("WORLD_SIZE"),
+            ) from None
         _STORE = store
     return _STORE
+
+
+def _wait_for_server(addr: str, port: int, rank: int, world_size: int, timeout: float, agent: bool) -> None:
+    """Wait until the store's port accepts connections, with progress lines.
+
+    torch's TCPStore client retries a refused connection itself, but past
+    the timeout it takes up to twice as long and logs C++ stack frames on
+    each retry (measured: 20.6 s and 30 frames for ``timeout=10``); a plain
+    socket probe keeps the wait within the timeout and the output readable.
+    """
+    start = time.monotonic()
+    interval = _progress_interval(timeout)
+    next_report = start + interval
+    pause = 0.01
+    last = ""
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(2.0, timeout))):
+                return
+        except OSError as e:
+            last = f"{type(e).__name__}: {e}"
+        now = time.monotonic()
+        waited = now - start
+        env_ws = os.environ.get("WORLD_SIZE")
+        server = "torchrun's agent store" if agent else "the store server of rank 0"
+        if waited >= timeout:
+            raise RendezvousError(
+                f"rendezvous failed on rank {rank} of {world_size}: {server} at {addr}:{port} did not answer "
+                f"within {timeout:g} s (last attempt: {last}). Check that rank 0 runs and that "
+                f"MASTER_ADDR/MASTER_PORT are the same on every rank and reachable from this host "
+                f"(world size {world_size}, WORLD_SIZE={env_ws}).",
+                [] if agent else [0], addr, port, world_size, env_ws)
+        if now >= next_report:
+            log.warning("streamcoll: rank %d waiting for %s at %s:%d (world size %d, WORLD_SIZE=%s): %.0f s of %g s "
+                        "(%s)", rank, server, addr, port, world_size, env_ws, waited, timeout, last)
+            next_report = now + interval
+        time.sleep(min(pause, max(timeout - waited, 0.0)))
+        pause = min(pause * 2, 0.25)
+
+
+def _check_world_size(world_size: int) -> None:
+    """Without ``store=``, the ranks that meet are the launcher's (torchrun's
+    WORLD_SIZE) or torch.distributed's: a different ``world_size`` could only
+    time out, waiting for ranks that do not exist (or leave ranks out of
+    the env:// rendezvous), so it raises at once."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        n = dist.get_world_size()
+        if world_size > n:
+            raise ValueError(f"world_size: {world_size} ranks asked for, but torch.distributed's world (whose "
+                             f"store is used) has {n}; pass store= for a communicator over other ranks")
+        return
+    env = _env_int("WORLD_SIZE")
+    if env is not None and env != world_size:
+        who = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "the launcher"
+        raise ValueError(f"world_size: {world_size} disagrees with WORLD_SIZE={env} (set by {who}); the env:// "
+                         "rendezvous meets WORLD_SIZE ranks. Leave world_size unset, or pass store= for a "
+                         "communicator over other ranks")
+
+
+def _wait_all(pstore: Any, keys: List[str], rank: int, world_size: int, timeout: float, cname: str) -> None:
+    """Wait until every rank set its key in ``keys`` (the topology exchange:
+    the first point where all ranks meet), with progress lines, naming the
+    missing ranks, the store and the world sizes at the timeout."""
+    start = time.monotonic()
+    interval = _progress_interval(timeout)
+    next_report = start + interval
+    pause = 0.001
+    # Polled with check(): a store wait() that times out logs a C++ warning each time.
+    while True:
+        try:
+            if pstore.check(keys):
+                break
+            missing: Optional[list] = None
+            err = ""
+        except (RuntimeError, OSError) as e:  # the store went away (its host died)
+            missing, err = None, _first_lines(e)
+        now = time.monotonic()
+        waited = now - start
+        if err or waited >= timeout or now >= next_report:
+            if not err:
+                try:
+                    missing = [r for r in range(world_size) if not pstore.check([keys[r]])]
+                except (RuntimeError, OSError) as e:
+                    err = _first_lines(e)
+                if missing == []:
+                    break
+            addr, port = _store_address() if "MASTER_PORT" in os.environ else ("", -1)
+            where = f" at {addr}:{port}" if addr else ""
+            env_ws = os.environ.get("WORLD_SIZE")
+            shown = _ranks_text(missing)
+            if err or waited >= timeout:
+                detail = (f"{shown} never joined within {timeout:g} s" if not err
+                          else f"the store stopped answering ({err})")
+                raise RendezvousError(
+                    f"rendezvous of communicator {cname!r} failed on rank {rank}: {detail} "
+                    f"(store{where}; world size {world_size}, WORLD_SIZE={env_ws}). Start every rank with the "
+                    "same MASTER_ADDR/MASTER_PORT and world size, or raise the timeout.",
+                    missing or [], addr, port, world_size, env_ws)
+            log.warning("streamcoll: rank %d waiting for %s to join communicator %r (store%s; world size %d, "
+                        "WORLD_SIZE=%s): %.0f s of %g s", rank, shown, cname, where, world_size, env_ws,
+                        waited, timeout)
+            next_report = now + interval
+        time.sleep(min(pause, max(timeout - waited, 0.0)))
+        pause = min(pause * 2, 0.1)
+    return None
+
+
+def _ranks_text(ranks: Optional[list]) -> str:
+    """``rank 1``, ``ranks 1, 2``, ``ranks 0, 1, ... (900 in all)``."""
+    if not ranks:
+        return "ranks ?"
+    head = "rank " if len(ranks) == 1 else "ranks "
+    if len(ranks) > 16:
+        return head + ", ".join(map(str, ranks[:16])) + f", ... ({len(ranks)} in all)"
+    return head + ", ".join(map(str, ranks))
 
 
 def new_communicator(
@@ -108,6 +299,8 @@ def new_communicator(
         raise ValueError(f"rank: expected an int in [0, {world_size}), got {rank!r}")
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend: expected 'nccl', 'oneccl' or None, got {backend!r}")
+    if store is None:
+        _check_world_size(world_size)
     local_rank = _env_int("LOCAL_RANK", rank)
     if device is None:
         device = _default_device(backend.lower() if backend else None, local_rank)
@@ -116,6 +309,11 @@ def new_communicator(
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device: expected a torch device or string like 'cpu' or 'cuda:0', got {device!r}") from e
     b, device = resolve(backend.lower() if backend else None, device)
+    if (b.name == "nccl" or device.type == "cuda") and not torch.cuda.is_available():
+        why = (f"this torch build has no CUDA (torch {torch.__version__})" if torch.version.cuda is None
+               else "no CUDA GPU is visible (CUDA_VISIBLE_DEVICES, driver)")
+        raise BackendUnavailableError(f"backend {b.name!r} on {device} needs a CUDA GPU: {why}; use "
+                                      "backend='oneccl' (device 'cpu') here")
     if device.type in ("cuda", "xpu") and device.index is None:
         device = torch.device(device.type, local_rank)
 
@@ -131,8 +329,11 @@ def new_communicator(
 
     # Which ranks share a host, and the interface reaching the rendezvous:
     # decides the defaults (topology.py says from what, env.py which values).
+    # The first point where all ranks meet: it waits with progress lines and
+    # names the missing ranks at the timeout (RendezvousError).
     cname = name or ("default" if n == 1 else f"comm{n}")
-    topo = topology.exchange(pstore, rank, world_size, t)
+    topo = topology.exchange(pstore, rank, world_size, t,
+                             wait=lambda keys: _wait_all(pstore, keys, rank, world_size, t, cname))
     if b.name == "oneccl" and topo.name_clashes():  # every rank sees the same facts, so every rank raises
         raise CommunicatorError(f"init of communicator {cname!r}: {_clash_text(topo)}")
     _apply_defaults(b.name, topo)
@@ -140,7 +341,8 @@ def new_communicator(
         torch.cuda.set_device(device)
 
     if rank == 0:
-        uid = b.unique_id()
+        with _native_entry(b.name):
+            uid = b.unique_id()
         pstore.set("uid", uid)
     else:
         uid = _wait_uid(pstore, rank, t, topo)
@@ -156,7 +358,8 @@ def new_communicator(
     else:  # a blocking init whose peers never come must not hang silently
         what = f"init of communicator {cname!r} (rank {rank} of {world_size}, {b.name} on {device})"
         with watchdog.guard(what, t, lambda: _init_report(pstore, topo, advertised)):
-            handle = b.init_rank(world_size, bytes(uid), rank)
+            with _native_entry(b.name):
+                handle = b.init_rank(world_size, bytes(uid), rank)
     pstore.set(f"ready/{rank}", "1")
     comm = Communicator(b, device, handle, rank, world_size, t, record_stream, pstore, name=cname)
     comm.topology = topo
@@ -204,11 +407,11 @@ def _apply_defaults(backend: str, topo: "topology.Topology") -> None:
 def _wait_uid(pstore: Any, rank: int, timeout: float, topo: "topology.Topology") -> bytes:
     try:
         return pstore.get("uid")
-    except Exception as e:
-        raise CommunicatorError(
-            f"init: rank 0 ({topo.describe_rank(0)}) did not publish the unique id within {timeout:g} s "
-            f"(it creates it with the library's bootstrap; look at rank 0's error) "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    except (RuntimeError, OSError) as e:  # DistStoreError: rank 0 went away after the host exchange
+        raise RendezvousError(
+            f"rendezvous failed on rank {rank}: rank 0 ({topo.describe_rank(0)}) did not publish the unique id "
+            f"within {timeout:g} s (it creates it with the library's bootstrap; look at rank 0's error) "
+            f"({_first_lines(e)})", [0], *_store_address(), len(topo.facts), os.environ.get("WORLD_SIZE")) from None
 
 
 def _init_report(pstore: Any, topo: "topology.Topology", advertised: Optional[tuple]) -> str:
@@ -255,16 +458,19 @@ def init(
     (``streamcoll.all_reduce(...)``) and return it. See :func:`new_communicator`."""
     global _DEFAULT
     if _DEFAULT is not None and not _DEFAULT._destroyed:
-        raise RuntimeError("streamcoll.init() was already called; call streamcoll.destroy() first")
+        raise UsageError("streamcoll.init() was already called; call streamcoll.destroy() first")
     _DEFAULT = new_communicator(backend, device, timeout, store, rank, world_size, record_stream, name="default")
     return _DEFAULT
 
 
 def is_initialized() -> bool:
+    """Whether :func:`init` made a default communicator that is not destroyed."""
     return _DEFAULT is not None and not _DEFAULT._destroyed
 
 
 def default_communicator() -> Communicator:
+    """The communicator :func:`init` made (what ``group=None`` means).
+    Raises CommunicatorError before ``init()`` or after ``destroy()``."""
     c = _DEFAULT
     if c is None or c._destroyed:
         raise CommunicatorError("streamcoll is not initialised: call streamcoll.init() first (or pass group=)")
@@ -272,10 +478,12 @@ def default_communicator() -> Communicator:
 
 
 def get_rank(group: Optional[Communicator] = None) -> int:
+    """This process's rank in ``group`` (default: the default communicator)."""
     return (group or default_communicator()).rank
 
 
 def get_world_size(group: Optional[Communicator] = None) -> int:
+    """The number of ranks of ``group`` (default: the default communicator)."""
     return (group or default_communicator()).size
 
 

@@ -48,7 +48,7 @@ from . import recorder as _flight
 from . import spec as _spec
 from ._methods import CollectiveMethods
 from .backends import Backend
-from .errors import CollectiveTimeout, CommunicatorError
+from .errors import CollectiveTimeout, CommunicatorError, UsageError
 from .recorder import FlightEntry
 from .launch import build_fast_path, build_sync_launcher
 from .ops import ReduceOp
@@ -67,14 +67,36 @@ _SUM = ReduceOp.SUM
 DEFAULT_TIMEOUT = 600.0  # seconds, as torch.distributed's default for NCCL
 
 
-def _seconds(timeout: Union[None, float, timedelta]) -> float:
+def _env_timeout() -> float:
+    """``STREAMCOLL_TIMEOUT`` (seconds, default 600), checked: a bad value
+    names the variable instead of failing later in a store."""
+    v = os.environ.get("STREAMCOLL_TIMEOUT")
+    if v is None or not v.strip():
+        return DEFAULT_TIMEOUT
+    try:
+        t = float(v)
+    except ValueError:
+        raise ValueError(f"environment variable STREAMCOLL_TIMEOUT: expected a positive number of seconds, "
+                         f"got {v!r}") from None
+    if not t > 0 or t == float("inf"):
+        raise ValueError(f"environment variable STREAMCOLL_TIMEOUT: expected a positive finite number of "
+                         f"seconds, got {v!r}")
+    return t
+
+
+def _seconds(timeout: Union[None, float, timedelta], name: str = "timeout") -> float:
+    """A timeout argument in seconds (positive, finite); None: ``STREAMCOLL_TIMEOUT``."""
     if timeout is None:
-        return float(os.environ.get("STREAMCOLL_TIMEOUT", DEFAULT_TIMEOUT))
+        return _env_timeout()
     if isinstance(timeout, timedelta):
-        return timeout.total_seconds()
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout: expected a positive number of seconds or a timedelta, got {timeout!r}")
-    return float(timeout)
+        t = timeout.total_seconds()
+    elif isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}: expected a number of seconds or a timedelta, got {timeout!r}")
+    else:
+        t = float(timeout)
+    if not t > 0 or t == float("inf"):
+        raise ValueError(f"{name}: expected a positive number of seconds or a timedelta, got {timeout!r}")
+    return t
 
 
 class P2POp:
@@ -230,24 +252,30 @@ class Communicator(CollectiveMethods):
     # ------------------------------------------------------------ properties
     @property
     def rank(self) -> int:
+        """This process's rank in the communicator."""
         return self._rank
 
     @property
     def size(self) -> int:
+        """The number of ranks."""
         return self._size
 
     def get_rank(self) -> int:
+        """:attr:`rank` (torch.distributed's spelling)."""
         return self._rank
 
     def get_world_size(self) -> int:
+        """:attr:`size` (torch.distributed's spelling)."""
         return self._size
 
     @property
     def device(self) -> torch.device:
+        """The device the communicator's tensors live on."""
         return self._device
 
     @property
     def backend(self) -> str:
+        """``"nccl"`` or ``"oneccl"``."""
         return self._backend.name
 
     @property
@@ -273,14 +301,17 @@ class Communicator(CollectiveMethods):
 
     @property
     def destroyed(self) -> bool:
+        """Whether :meth:`destroy` ran (later calls raise CommunicatorError)."""
         return self._destroyed
 
     @property
     def is_gpu(self) -> bool:
+        """Whether the device is a GPU (CUDA or XPU): async work runs on comm streams."""
         return self._gpu
 
     @property
     def store(self) -> Any:
+        """The torch.distributed store the communicator was created with (prefixed)."""
         return self._store
 
     def __repr__(self) -> str:
@@ -459,6 +490,8 @@ class Communicator(CollectiveMethods):
             async_op = bool(async_op)
         if self._handle is None or self._failed is not None:
             self._check_usable()
+        if stream is not None and not async_op:  # with async_op: the ValueError below
+            self._check_stream(name, stream)
         if self._coalescing is not None and self._coalescing_thread == threading.get_ident():
             self._coalescing.append((name, plan))
             return None
@@ -468,6 +501,21 @@ class Communicator(CollectiveMethods):
                                  "stream; make the stream current (torch.cuda.stream(s)) instead of passing stream=")
             return self._launch_async(name, plan)
         return self._launch_sync(name, plan, stream)
+
+    def _check_stream(self, name: str, stream: Any) -> None:
+        """``stream=`` must be a stream of this communicator's device type.
+        On the CPU the one stream is the calling thread: a CPU stream
+        (``torch.cpu.current_stream()``, what device-agnostic code passes)
+        is accepted and changes nothing; anything else is an error instead
+        of being ignored."""
+        if self._gpu:
+            if hasattr(stream, "cuda_stream") or hasattr(stream, "sycl_queue") or isinstance(stream, torch.Stream):
+                return
+        elif isinstance(stream, torch.cpu.Stream) or (isinstance(stream, torch.Stream)
+                                                       and getattr(stream, "device_type", None) in ("cpu", 0)):
+            return
+        raise TypeError(f"stream: {name} on a {self._dev_type} communicator expects a {self._dev_type} stream "
+                        f"(torch.{self._dev_type}.Stream) or None, got {stream!r}")
 
     def _run_queued_sync(self, name: str, plan: Plan) -> None:
         """A synchronous CPU call made while async work is queued: it goes
@@ -528,7 +576,7 @@ class Communicator(CollectiveMethods):
         rt = self._rt
         if self._gpu and rt.is_capturing():
             # before a sequence number is taken: nothing was issued
-            raise RuntimeError(
+            raise UsageError(
                 f"{name}(async_op=True) during CUDA graph capture is not supported; use async_op=False "
                 "(it launches on the capturing stream)"
             )
@@ -605,7 +653,7 @@ class Communicator(CollectiveMethods):
         handle whose ``work`` is the Work (``async_op=True``) once the block
         exits, and whose ``wait()`` waits for it."""
         if self._coalescing is not None:
-            raise RuntimeError("coalescing() blocks do not nest")
+            raise UsageError("coalescing() blocks do not nest")
         handle = _Coalesced()
         ops: List[tuple] = []
         self._coalescing = ops

@@ -72,15 +72,10 @@ LOG = logging.getLogger("streamcoll")
 
 APPLIED: Dict[str, str] = {}
 
-RELEVANT = (
-    "STREAMCOLL_ONECCL_LIBRARY", "STREAMCOLL_NCCL_LIBRARY", "STREAMCOLL_HOME", "STREAMCOLL_TIMEOUT",
-    "STREAMCOLL_RECORD_STREAM", "STREAMCOLL_NO_ENV_DEFAULTS", "STREAMCOLL_DEBUG_CHECKS",
-    "CCL_ROOT", "CCL_WORKER_OFFLOAD", "CCL_YIELD", "CCL_ATL_SHM", "CCL_ATL_TRANSPORT", "FI_PROVIDER", "CCL_KVS_IFACE",
-    "CCL_MNIC", "CCL_MNIC_NAME", "CCL_MNIC_COUNT",
-    "CCL_ALLREDUCE", "CCL_LOCAL_RANK", "CCL_LOCAL_SIZE", "CCL_LOG_LEVEL",
-    "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_HOME", "CUDA_HOME",
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "LD_LIBRARY_PATH",
-)
+# Every variable streamcoll reads or sets: the table in streamcoll/env_vars.py.
+from .env_vars import names as _names  # noqa: E402
+
+RELEVANT = tuple(_names())
 
 
 def _default(name: str, value: str) -> None:

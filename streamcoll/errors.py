@@ -1,7 +1,19 @@
 """The streamcoll exception family.
 
-Every failure streamcoll reports derives from :class:`CollectiveError`, so one
-``except streamcoll.CollectiveError`` catches them all. Errors returned by a
+Two kinds of exception leave streamcoll:
+
+- **Argument errors** are ``TypeError`` (wrong type: ``async_op="yes"``, a
+  list where a tensor is expected) and ``ValueError`` (right type, wrong
+  value: a rank out of range, a negative timeout, ``STREAMCOLL_TIMEOUT=abc``,
+  ``world_size`` disagreeing with ``WORLD_SIZE``), as in torch and the
+  standard library. They are raised before any native call, so nothing is
+  half issued, and retrying with a fixed argument is safe.
+- **Everything else** (a library call failed, a timeout, a rendezvous that
+  did not complete, a destroyed or failed communicator, a backend that
+  cannot run here) derives from :class:`CollectiveError`, so one
+  ``except streamcoll.CollectiveError`` catches every failure that is not
+  the caller's argument. Errors of torch.distributed's store met during
+  rendezvous are turned into :class:`RendezvousError`. Errors returned by a
 native library carry the result code, its enum name, the library's error
 string and its last-error text (:class:`LibraryError` and the per-library
 subclasses). All of them pickle, because they cross process boundaries in
@@ -24,6 +36,10 @@ __all__ = [
     "CollectiveTimeout",
     "CommunicatorError",
     "MismatchError",
+    "RendezvousError",
+    "BackendUnavailableError",
+    "UsageError",
+    "NotSupportedError",
 ]
 
 
@@ -126,6 +142,11 @@ class CollectiveTimeout(CommunicatorError, TimeoutError):
 
     Names the op, its sequence number on the communicator, the tensor shapes
     and the ranks, so the rank that hung can be found from any rank's log.
+
+    ``stuck``: True when the call was declared stuck (it outlived the
+    communicator's timeout: the communicator is failed, later calls raise);
+    False when only a shorter ``Work.wait(timeout)`` ran out while the call
+    is still running (slow, not failed: waiting again may succeed).
     """
 
     def __init__(
@@ -137,7 +158,9 @@ class CollectiveTimeout(CommunicatorError, TimeoutError):
         rank: int = -1,
         size: int = -1,
         detail: str = "",
+        stuck: bool = True,
     ) -> None:
+        self.stuck = stuck
         self.op = op
         self.seq = seq
         self.timeout = timeout
@@ -156,7 +179,7 @@ class CollectiveTimeout(CommunicatorError, TimeoutError):
     def __reduce__(self):
         return (
             type(self),
-            (self.op, self.seq, self.timeout, self.shapes, self.rank, self.size, self.detail),
+            (self.op, self.seq, self.timeout, self.shapes, self.rank, self.size, self.detail, self.stuck),
         )
 
 
@@ -166,3 +189,39 @@ class MismatchError(CollectiveError):
 
     ranks: list = []
     calls: list = []
+
+
+class RendezvousError(CollectiveError):
+    """The ranks did not all meet before the timeout (or the store could not
+    be reached). Names the ranks still missing, the store's address and
+    port, and the world sizes (the one asked for and ``WORLD_SIZE``)."""
+
+    def __init__(self, message: str, missing: Optional[Sequence[int]] = None, address: str = "",
+                 port: int = -1, world_size: int = -1, env_world_size: Optional[str] = None) -> None:
+        self.message = message
+        self.missing = list(missing or [])
+        self.address = address
+        self.port = port
+        self.world_size = world_size
+        self.env_world_size = env_world_size
+        CollectiveError.__init__(self, message)
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.missing, self.address, self.port, self.world_size,
+                             self.env_world_size))
+
+
+class BackendUnavailableError(CollectiveError):
+    """The backend cannot run on this machine (``backend="nccl"`` with a torch
+    build without CUDA, or no GPU)."""
+
+
+class UsageError(CollectiveError):
+    """A call made in a state where it cannot work (``init()`` twice, nested
+    ``coalescing()``, ``GradientSync.finish()`` inside ``no_sync()``, ...).
+    Subclass of RuntimeError (through CollectiveError), as before."""
+
+
+class NotSupportedError(CollectiveError, NotImplementedError):
+    """The operation exists but not on this backend, library version or
+    device (also a NotImplementedError)."""

@@ -48,6 +48,7 @@ import torch
 
 from . import bootstrap
 from .communicator import Communicator
+from .errors import UsageError
 from .ops import ReduceOp, canonical_op
 
 __all__ = ["GradientSync"]
@@ -86,7 +87,12 @@ class GradientSync:
     (default: streamcoll's default one). ``record_timeline``: keep
     ``perf_counter`` times of gradient readiness, bucket launches and bucket
     completions since the last ``clear_timeline()`` (``timeline()``), for
-    profiling the overlap.
+    profiling the overlap. ``sync_initial_state`` (default True): broadcast
+    rank 0's values of every given parameter (frozen ones too) and, for a
+    Module, its buffers, at construction, as DDP does; pass False where the
+    replicas are already equal (loaded from one checkpoint) to skip the
+    broadcast. Construction is then collective: every rank constructs it.
+    Raises ValueError when no parameter requires a gradient.
     """
 
     def __init__(
@@ -96,17 +102,26 @@ class GradientSync:
         op: Any = ReduceOp.AVG,
         group: Optional[Communicator] = None,
         record_timeline: bool = False,
+        sync_initial_state: bool = True,
     ) -> None:
+        buffers: List[torch.Tensor] = []
         if isinstance(params, torch.nn.Module):
+            buffers = list(params.buffers())
             params = params.parameters()
         if isinstance(params, torch.Tensor):
             raise TypeError("params: expected an iterable of parameters (or a Module), got a single tensor")
+        if not isinstance(sync_initial_state, bool):
+            raise TypeError(f"sync_initial_state: expected a bool, got {sync_initial_state!r}")
         plist: List[torch.nn.Parameter] = []
+        state: List[torch.Tensor] = []  # every tensor given (frozen ones too), then the buffers
         seen = set()
         for i, p in enumerate(params):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"params[{i}]: expected a torch.Tensor (nn.Parameter), got {type(p).__name__}")
+            if id(p) not in seen:
+                state.append(p)
             if not p.requires_grad or id(p) in seen:
+                seen.add(id(p))
                 continue
             if not p.is_leaf:
                 raise ValueError(f"params[{i}]: expected a leaf tensor (a parameter); gradients of non-leaf tensors are not accumulated")
@@ -114,6 +129,9 @@ class GradientSync:
                 raise TypeError(f"params[{i}]: expected a floating-point parameter, got {p.dtype}")
             seen.add(id(p))
             plist.append(p)
+        if not plist:
+            raise ValueError("params: no trainable parameters (every one has requires_grad=False, or none was "
+                             "given); GradientSync would synchronise nothing")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
             raise ValueError(f"bucket_mb: expected a positive number of MiB, got {bucket_mb!r}")
         name, factor = canonical_op(op)
@@ -140,7 +158,35 @@ class GradientSync:
         self.steps = 0
         self.buffer_allocations = 0
         self._build(list(range(len(plist)))[::-1])
+        if sync_initial_state:
+            self._broadcast_state(state + [b for b in buffers if id(b) not in seen])
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in plist]
+
+    def _broadcast_state(self, tensors: List[torch.Tensor]) -> None:
+        """Rank 0's values for ``tensors`` on every rank, as DDP's
+        construction does (``_sync_module_states``): replicas initialised
+        with different seeds would otherwise train apart silently, their
+        averaged gradients applied to different weights. Flat buffers per
+        dtype and device, up to ``bucket_mb`` each; a collective every rank
+        must reach (constructing GradientSync is collective)."""
+        groups: Dict[tuple, List[List[torch.Tensor]]] = {}
+        for t in tensors:
+            if t.numel() == 0:
+                continue
+            g = groups.setdefault((t.dtype, t.device), [[]])
+            if g[-1] and sum(x.numel() * x.element_size() for x in g[-1]) + t.numel() * t.element_size() > self._cap:
+                g.append([])
+            g[-1].append(t)
+        with torch.no_grad():
+            for chunks in groups.values():
+                for chunk in chunks:
+                    flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+                    self._comm.broadcast(flat, 0)
+                    off = 0
+                    for t in chunk:
+                        n = t.numel()
+                        t.copy_(flat[off:off + n].view_as(t))
+                        off += n
 
     # ------------------------------------------------------------ layout
     def _build(self, order: List[int]) -> None:
@@ -185,14 +231,14 @@ class GradientSync:
             return
         i = self._index[id(p)]
         if self._ready[i]:
-            raise RuntimeError(
+            raise UsageError(
                 f"GradientSync: the gradient of parameter {i} (shape {tuple(p.shape)}) became ready twice "
                 "before finish(); call finish() after every synchronised backward, and wrap "
                 "accumulation-only backward passes in no_sync()"
             )
         g = p.grad
         if g is None or g.is_sparse:
-            raise RuntimeError(f"GradientSync: parameter {i} has {'a sparse' if g is not None else 'no'} gradient; "
+            raise UsageError(f"GradientSync: parameter {i} has {'a sparse' if g is not None else 'no'} gradient; "
                                "dense gradients only")
         self._ready[i] = True
         if self._order is not None:
@@ -236,7 +282,7 @@ class GradientSync:
         gradient on this rank), wait for all of them and write the reduced
         gradients into ``.grad``. Call it before ``optimizer.step()``."""
         if self._no_sync:
-            raise RuntimeError("GradientSync.finish(): called inside no_sync(); call it after the synchronised backward")
+            raise UsageError("GradientSync.finish(): called inside no_sync(); call it after the synchronised backward")
         plist = self._params
         for b in self._buckets[self._next:]:
             if b.pending:
@@ -290,6 +336,7 @@ class GradientSync:
                 "done": dict(self._done_times)}
 
     def clear_timeline(self) -> None:
+        """Forget the recorded times (``record_timeline=True``)."""
         self._ready_times.clear()
         self._launch_times.clear()
         self._done_times.clear()

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ._ffi._common import read_declarations
+from .errors import NotSupportedError
 from .ops import ReduceOp, canonical_op, op_key
 from .spec import TABLE, CollectiveSpec, Plan, c_roles
 from .validation import as_tensor, check_list, check_rank, check_same
@@ -114,7 +115,7 @@ class PlanContext:
         if f is None:
             fname = self.backend.funcs.get(name)
             if fname is None:
-                raise NotImplementedError(f"{name} is not available on backend {self.backend.name!r}")
+                raise NotSupportedError(f"{name} is not available on backend {self.backend.name!r}")
             getattr(self.lib, fname)  # raises FunctionNotFoundError naming the version
         return f
 
@@ -273,10 +274,20 @@ class PlanContext:
 
     def p2p_group(self, sends: Sequence[tuple], recvs: Sequence[tuple], post: Optional[Callable[[], Any]],
                   keep: tuple, outputs: tuple, name: str = "p2p_group") -> Plan:
-        """Send/Recv in one group; entries are ``(ptr, count, peer, dtype)``."""
+        """Send/Recv in one group; entries are ``(ptr, count, peer, dtype)``.
+
+        A rank with a single Send or Recv issues it without a group: the
+        same transfer, and oneCCL 2022.2 prints ``|CCL_ERROR| ... not
+        completed event is destroyed`` for every Send/Recv issued inside a
+        group, never for one outside (measured; see :mod:`streamcoll.logs`),
+        so a gather's non-root ranks, and every rank of a 2-rank gather,
+        stay quiet."""
         fs, fr, h = self.c["send"], self.c["recv"], self.handle
         calls = [(fs, (p, c, d, peer, h), "send") for p, c, peer, d in sends]
         calls += [(fr, (p, c, d, peer, h), "recv") for p, c, peer, d in recvs]
+        if len(calls) == 1:
+            f, a, cname = calls[0]
+            return Plan(f, a, post, keep, outputs, cname)
         fn, args = self.group(calls)
         return Plan(fn, args, post, keep, outputs, name)
 

@@ -114,6 +114,7 @@ def _not_implemented(name: str) -> Callable:
         )
 
     method.__name__ = name
+    method.__doc__ = f"Not implemented by the streamcoll backend: raises NotImplementedError naming {name}."
     return method
 
 
@@ -133,6 +134,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
 
     # -- identity -----------------------------------------------------------
     def getBackendName(self) -> str:
+        """``"streamcoll"``, the name the backend is registered under."""
         return BACKEND_NAME
 
     def __repr__(self) -> str:
@@ -196,6 +198,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
     # in streamcoll.spec), see _install_pg_methods below.
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> StreamcollWork:
+        """All-reduce each of ``tensors`` in one group launch (one Work)."""
         if not tensors:
             return self._work(None, [], "allreduce_coalesced")
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
@@ -205,6 +208,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                     opts: Any = None) -> StreamcollWork:
+        """All-gather each input into its output in one group launch (one Work)."""
         if not inputs:
             return self._work(None, [], "all_gather_single_coalesced")
         c = self._comm(inputs[0], "inputs[0]")
@@ -215,6 +219,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                         opts: Any = None) -> StreamcollWork:
+        """Reduce-scatter each input into its output in one group launch (one Work)."""
         if not inputs:
             return self._work(None, [], "reduce_scatter_single_coalesced")
         c = self._comm(inputs[0], "inputs[0]")
@@ -228,6 +233,8 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def barrier(self, opts: Any = None) -> StreamcollWork:
+        """A barrier on the communicator of ``opts.device_ids[0]`` (CUDA), else of
+        the device of the last collective, else the CPU's."""
         ids = list(getattr(opts, "device_ids", None) or [])
         if ids and torch.cuda.is_available():
             dev = torch.device("cuda", ids[0])
@@ -251,6 +258,8 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         return self._work(h.work, outputs, op)
 
     def start_coalescing(self, device: Any) -> None:
+        """Begin batching collectives on ``device``'s communicator (torch's
+        ``_coalescing_manager``); :meth:`end_coalescing` launches them as one group."""
         if self._coalescing is not None:
             raise RuntimeError("start_coalescing: the streamcoll process group is already coalescing")
         c = self.communicator(device)
@@ -259,6 +268,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         self._coalescing = (cm, h, [])
 
     def end_coalescing(self, device: Any) -> StreamcollWork:
+        """Launch the collectives batched since :meth:`start_coalescing`; one Work."""
         if self._coalescing is None:
             raise RuntimeError("end_coalescing: start_coalescing was not called")
         cm, h, outs = self._coalescing
@@ -285,6 +295,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
             c.destroy()
 
     def abort(self) -> None:
+        """Abort the communicators where the library can (NCCL), else mark them failed."""
         comms, self._comms = list(self._comms.values()), {}
         for c in comms:
             if not c.abort():

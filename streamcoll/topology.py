@@ -405,11 +405,14 @@ def _rendezvous_text() -> str:
     return f"{addr}:{port}" if addr else "the store passed in"
 
 
-def exchange(store: Any, rank: int, world_size: int, timeout: float, facts: Optional[RankFacts] = None) -> Topology:
+def exchange(store: Any, rank: int, world_size: int, timeout: float, facts: Optional[RankFacts] = None,
+             wait: Optional[Any] = None) -> Topology:
     """Publish this rank's facts under ``store`` (a communicator's
-    PrefixStore) and wait for every rank's. Ranks that do not arrive within
-    ``timeout`` are named in the :class:`~streamcoll.errors.CommunicatorError`,
-    with this rank's route and the likely causes."""
+    PrefixStore) and wait for every rank's: with ``wait(keys)`` where given
+    (bootstrap's, with progress lines and a RendezvousError), else the store's
+    wait. Ranks that do not arrive within ``timeout`` are named in the
+    :class:`~streamcoll.errors.CommunicatorError`, with this rank's route and
+    the likely causes."""
     from datetime import timedelta
 
     from .errors import CommunicatorError
@@ -417,6 +420,9 @@ def exchange(store: Any, rank: int, world_size: int, timeout: float, facts: Opti
     facts = facts or local_facts(rank, store)
     store.set(exchange_key(rank), facts.to_json())
     keys = [exchange_key(r) for r in range(world_size)]
+    if wait is not None:
+        wait(keys)
+        return Topology([RankFacts.from_json(store.get(k).decode()) for k in keys], rank)
     try:
         store.wait(keys, timedelta(seconds=timeout))
     except Exception as e:  # torch raises DistStoreError (a RuntimeError) on timeout

@@ -27,8 +27,9 @@ communicator's timeout:
   about 1 s (measured across two simulated hosts, 2 x 1 and 2 x 2, 5 s timeout:
   5.1-5.4 s after the kill; 6.6 s with the earlier 1 s grace and 1 s interval).
 - On a hang it marks the communicator failed, writes the flight record
-  (``STREAMCOLL_FLIGHT_DIR``), prints what hung (op, sequence number, shapes,
-  rank, timeout) and what to do to stderr, aborts an NCCL communicator
+  (``STREAMCOLL_FLIGHT_DIR``), reports what hung (op, sequence number, shapes,
+  rank, timeout) and what to do through the ``streamcoll.watchdog`` logger
+  (stderr where the program configured no logging), aborts an NCCL communicator
   (``ncclCommAbort``), and then, by default, ends the process with
   ``os._exit(EXIT_CODE)`` (86): a launcher such as torchrun then sees a failed
   rank and tears the job down. ``STREAMCOLL_WATCHDOG=fail`` keeps the
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import sys
 import threading
@@ -70,7 +72,9 @@ from . import flight
 from .errors import CollectiveTimeout
 
 __all__ = ["EXIT_CODE", "register", "handle_timeout", "skip_native_teardown", "guard", "mode", "Watchdog",
-           "WATCHDOG", "nccl_wait_ready", "make_nonblocking", "nccl_nonblocking_requested"]
+           "WATCHDOG", "nccl_wait_ready", "make_nonblocking", "nccl_nonblocking_requested", "running_calls"]
+
+log = logging.getLogger("streamcoll.watchdog")
 
 EXIT_CODE = 86
 GRACE_S = 1.0  # async work only: a Work.wait timing out at the same moment raises first
@@ -216,7 +220,7 @@ class Watchdog:
             try:
                 self.check(comms)
             except Exception as e:  # never let the watchdog die silently
-                print(f"streamcoll watchdog: internal error: {e!r}", file=sys.stderr, flush=True)
+                log.error("streamcoll watchdog: internal error: %r", e)
             self._wake.wait(self._interval(comms))
             self._wake.clear()
 
@@ -242,13 +246,8 @@ class Watchdog:
             # call holds the exec lock, so nothing is issued after it: it is the newest entry, and
             # the scan goes newest first (after many async ops the oldest unfinished ones are
             # async). Its start is not recorded (hot path); its age counts from when it was first seen.
-            running = None
             last = comm.seq
-            for sq in range(last, max(fr.done, last - SCAN), -1):
-                e = fr.at(sq)
-                if e is not None and e.sync and sq not in fr.errors:
-                    running = e
-                    break
+            running = _running_sync(comm, last)
             if running is None:
                 fr.running_since = None
             else:
@@ -315,11 +314,7 @@ class Watchdog:
 
     def _announce(self, msg: str) -> None:
         self.fired.append(msg)
-        try:
-            sys.stderr.write(msg + "\n")
-            sys.stderr.flush()
-        except Exception:
-            pass
+        _report(msg)
 
     def _end(self, comm: Any, msg: str, m: str) -> None:
         """Say what happened, abort an NCCL communicator, then end the process
@@ -407,6 +402,53 @@ def _nccl_async_error(comm: Any) -> Optional[BaseException]:
     if s == 0 or s == b.binding.const("ncclInProgress"):
         return None
     return b.binding.error("asynchronous error (ncclCommGetAsyncError)", s, comm._handle)
+
+
+def _running_sync(comm: Any, last: int) -> Any:
+    """The flight entry of the synchronous call in flight on ``comm``, or
+    None: a sync entry after the last that returned. An inline call holds
+    the exec lock, so nothing is issued after it: it is the newest entry, and
+    the scan goes newest first (after many async ops the oldest unfinished
+    ones are async)."""
+    fr = comm.flight
+    for sq in range(last, max(fr.done, last - SCAN), -1):
+        e = fr.at(sq)
+        if e is not None and e.sync and sq not in fr.errors:
+            return e
+    return None
+
+
+def running_calls() -> List[str]:
+    """One line per native call in flight in this process now (synchronous
+    calls, and async work on a CPU comm thread), for messages such as the
+    one on a Ctrl-C during a stuck call."""
+    out = []
+    now = flight.now_ns()
+    with WATCHDOG._lock:
+        comms = [c for c in WATCHDOG._comms if not c.destroyed]
+    for comm in comms:
+        fr = comm.flight
+        e = _running_sync(comm, comm.seq)
+        if e is not None:
+            rs = fr.running_since
+            age = f", running for {(now - rs[1]) / 1e9:.1f} s" if rs is not None and rs[0] == e.seq else ""
+            out.append(f"{e.op} (sequence number {e.seq}, synchronous) on communicator {comm.name!r} "
+                       f"(rank {comm.rank} of {comm.size}, {comm.backend}{age})")
+        inf = fr.inflight
+        if inf is not None:
+            out.append(f"{inf.op} (sequence number {inf.seq}, async, comm thread) on communicator "
+                       f"{comm.name!r} (rank {comm.rank} of {comm.size}, {comm.backend}, running for "
+                       f"{(now - (inf.t_start or inf.t_enq)) / 1e9:.1f} s)")
+    return out
+
+
+def _report(msg: str) -> None:
+    """A watchdog report: the ``streamcoll.watchdog`` logger at error level
+    (on stderr where the program configured no logging)."""
+    try:
+        log.error("%s", msg)
+    except Exception:
+        pass
 
 
 def _exit_now(code: int = EXIT_CODE) -> None:

@@ -22,6 +22,11 @@ import torch
 
 from .errors import CollectiveTimeout, CommunicatorError
 
+
+def _seconds(timeout: Any) -> float:
+    from .communicator import _seconds as seconds  # the one check of timeout arguments
+    return seconds(timeout)
+
 __all__ = ["Work", "Reaper"]
 
 
@@ -114,6 +119,7 @@ class Work:
         return self._rt.query(self._event)
 
     def is_success(self) -> bool:
+        """Whether the collective completed without an error (never blocks)."""
         return self.is_completed() and self._rt.error(self._event) is None
 
     def exception(self) -> Optional[BaseException]:
@@ -125,18 +131,22 @@ class Work:
 
         On a GPU this does not block the host. On the CPU the current stream is
         the calling thread, so it blocks until the collective completed.
-        ``timeout`` (seconds; default: the communicator's) bounds a host
-        block; past it the communicator is marked failed and
-        :class:`~streamcoll.CollectiveTimeout` is raised. Returns True.
+        ``timeout`` (seconds or a timedelta; default: the communicator's)
+        bounds a host block, and past it :class:`~streamcoll.CollectiveTimeout`
+        is raised. Which of two things happened is in the error
+        (``stuck``) and its message: with a timeout shorter than the
+        communicator's, the call is only slow, the communicator stays usable
+        and waiting again may succeed (the watchdog declares it stuck once it
+        has run for the communicator's timeout); with the communicator's
+        timeout (or longer) the call is stuck, and the communicator is marked
+        failed. Returns True.
         """
-        if timeout is not None and hasattr(timeout, "total_seconds"):
-            timeout = timeout.total_seconds()
         comm = self._comm
+        t = comm.timeout if timeout is None else _seconds(timeout)
         if comm._failed is not None:
             self._raise_if_failed()
-        t = comm.timeout if timeout is None else timeout
         if not self._rt.wait_current(self._event, t):
-            raise comm._timed_out(self.op, self.seq, t, self._outputs)
+            raise self._timeout(t)
         exc = self._rt.error(self._event)
         if exc is not None:
             raise exc
@@ -146,15 +156,29 @@ class Work:
     def synchronize(self, timeout: Optional[float] = None) -> None:
         """Block the host until the collective completed (CUDA: event synchronize)."""
         comm = self._comm
+        t = comm.timeout if timeout is None else _seconds(timeout)
         if comm._failed is not None:
             self._raise_if_failed()
-        t = comm.timeout if timeout is None else timeout
         if not self._rt.synchronize(self._event, t):
-            raise comm._timed_out(self.op, self.seq, t, self._outputs)
+            raise self._timeout(t)
         exc = self._rt.error(self._event)
         if exc is not None:
             raise exc
         self._release()
+
+    def _timeout(self, t: float) -> CollectiveTimeout:
+        """The error of a wait that ran out after ``t`` s: slow (shorter than
+        the communicator's timeout; nothing failed) or stuck (failed)."""
+        comm = self._comm
+        if t < comm.timeout and comm._failed is None:
+            shapes = [tuple(x.shape) for x in (self._outputs or ()) if isinstance(x, torch.Tensor)]
+            return CollectiveTimeout(
+                self.op, self.seq, t, shapes, comm.rank, comm.size,
+                f"the call is still running (slow, not declared stuck): communicator {comm.name!r} stays "
+                f"usable and waiting again may succeed; it is declared stuck (and failed) once the call has "
+                f"run for the communicator's timeout ({comm.timeout:g} s)", stuck=False)
+        return comm._timed_out(self.op, self.seq, t, self._outputs,
+                               "declared stuck (the communicator's timeout passed): the communicator is failed")
 
     def _raise_if_failed(self) -> None:
         """Work of a failed communicator that was unfinished when it failed

@@ -241,3 +241,28 @@ def test_bad_arguments():
         GradientSync(["x"])
     with pytest.raises(TypeError, match="group"):
         GradientSync([p], group="g")
+
+
+def _initial_state(comm, sync: bool):
+    """Replicas seeded differently: GradientSync makes them rank 0's (params,
+    frozen params and buffers), unless told not to."""
+    torch.manual_seed(100 + comm.rank)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    m[2].requires_grad_(False)
+    m[1].running_mean.normal_()
+    m[1].num_batches_tracked.fill_(comm.rank + 7)
+    GradientSync(m, group=comm, sync_initial_state=sync)
+    return {k: v.tolist() for k, v in m.state_dict().items()}
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["default", "opt_out"])
+def test_initial_parameters_and_buffers_from_rank_0(w2, sync):
+    """Before: GradientSync broadcast nothing; replicas seeded differently trained apart."""
+    a, b = w2.run(_initial_state, sync)
+    assert a.keys() == b.keys()
+    differ = [k for k in a if a[k] != b[k]]
+    if sync:
+        assert differ == [], differ
+    else:
+        # seeded tensors differ when nothing is broadcast (BatchNorm's weight/bias/var start equal)
+        assert {"0.weight", "0.bias", "2.weight", "1.running_mean", "1.num_batches_tracked"} <= set(differ), differ

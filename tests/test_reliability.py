@@ -92,7 +92,7 @@ def _skip() -> None:
     import torch
     import streamcoll
     rank = int(os.environ["RANK"])
-    comm = streamcoll.init(backend="oneccl", device="cpu", timeout=60)
+    comm = streamcoll.init(backend="oneccl", device="cpu", timeout=2.0)
     t = torch.ones(8)
     for _ in range(3):
         comm.all_reduce(t)  # seq 1-3
@@ -103,10 +103,16 @@ def _skip() -> None:
         _out(f"rank{rank}.json", res)
         return  # exits normally
     w = comm.all_reduce(t, async_op=True)  # seq 5: never joined by rank 2
+    if rank == 0:
+        # shorter than the communicator's timeout: only slow, nothing failed (issue 15)
+        try:
+            w.wait(timeout=0.5)
+        except streamcoll.CollectiveTimeout as e:
+            res.update(short_wait_stuck=e.stuck, short_wait_failed=comm.failure is not None)
     t0 = time.monotonic()
     try:
         if rank == 0:
-            w.wait(timeout=2.0)
+            w.wait()  # the communicator's timeout (2 s): declared stuck, failed
         else:
             comm.destroy(timeout=2.0)  # pending work: fails explicitly
         res["raised"] = None
@@ -288,13 +294,15 @@ if __name__ != "__main__":
             assert ranks.ended[r] - res["raised_at"] < 5.0, info  # exits promptly after
 
     def test_skipped_collective_timeout_destroy_and_analysis(tmp_path):
-        """Rank 2 skips collective #5. Rank 0: ``Work.wait(timeout=2)`` raises
+        """Rank 2 skips collective #5 (communicator timeout 2 s). Rank 0: a
+        ``Work.wait(timeout=0.5)`` raises a CollectiveTimeout that is not
+        ``stuck`` and fails nothing; ``Work.wait()`` then raises
         CollectiveTimeout naming op, sequence number, shapes and ranks within
         the timeout plus a margin. Rank 1: ``destroy(timeout=2)`` with the
         pending work raises the same way. On both, later calls (and waiting
         again) raise at once, destroy returns, and the process exits 0. The
         flight-recorder analysis names sequence number 5 and rank 2."""
-        ranks = Ranks("skip", 3, tmp_path)
+        ranks = Ranks("skip", 3, tmp_path, {"STREAMCOLL_WATCHDOG": "fail"})  # the wait reports, not the watchdog
         try:
             ranks.wait(90)
         finally:
@@ -309,6 +317,8 @@ if __name__ != "__main__":
             assert "all_reduce (sequence number 5) did not complete within 2 s" in res["message"]
             assert f"on rank {r} of 3; tensor shapes [(8,)]" in res["message"]
             assert 2.0 <= res["elapsed"] <= 4.0, res
+            if r == 0:
+                assert res["short_wait_stuck"] is False and res["short_wait_failed"] is False, res
             for what in ("later_call", "wait_again", "later_async"):
                 assert res[what] == "CommunicatorError", (r, what, res)
                 assert res[what + "_s"] < 0.2, (r, what, res)

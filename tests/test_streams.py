@@ -146,10 +146,16 @@ def w_lifetime_modes(comm, record_stream: bool, n: int):
 
 
 def w_stream_argument_and_comm_stream(comm):
-    # stream= on the CPU: the host has one stream (the thread); same result.
+    # stream= on the CPU: the host has one stream (the thread); a CPU stream gives the same
+    # result, anything else raises (issue 15: it used to be ignored).
     t = torch.ones(2)
-    assert comm.all_reduce(t, stream=object()) is None
+    assert comm.all_reduce(t, stream=torch.cpu.current_stream()) is None
     assert t.tolist() == [float(comm.size)] * 2
+    try:
+        comm.all_reduce(t, stream=object())
+        raise AssertionError("stream=object() accepted")
+    except TypeError as e:
+        assert "expects a cpu stream" in str(e), e
     s = comm.comm_stream()
     assert comm._lanes[threading.get_ident()].stream is s
     return True

@@ -1,0 +1,99 @@
+"""Every environment variable streamcoll reads or sets, in one table.
+
+``python -m streamcoll info`` prints the current value of each, and the
+README's table is rendered from it (:func:`markdown`; a test keeps the two
+equal), so a variable documented in one place is documented in all. The
+*values* of the defaults streamcoll applies, and why, are in
+:mod:`streamcoll.env`; this table says which variables they are.
+"""
+from __future__ import annotations
+
+from typing import List, NamedTuple, Tuple
+
+__all__ = ["EnvVar", "TABLE", "names", "markdown"]
+
+
+class EnvVar(NamedTuple):
+    """One variable: its name, its default (as streamcoll sees it), and what
+    it does. ``kind``: ``streamcoll`` (read by streamcoll), ``applied`` (a
+    native library's variable that streamcoll sets when unset), or
+    ``read`` (a launcher's or library's variable streamcoll reads)."""
+
+    name: str
+    kind: str
+    default: str
+    doc: str
+
+
+TABLE: Tuple[EnvVar, ...] = (
+    EnvVar("STREAMCOLL_TIMEOUT", "streamcoll", "600",
+           "default timeout of communicators, in seconds (positive)"),
+    EnvVar("STREAMCOLL_WATCHDOG", "streamcoll", "exit",
+           "`exit`: end a process whose call outlives the timeout (code 86); `fail`: mark the "
+           "communicator failed only; `off`: no watchdog"),
+    EnvVar("STREAMCOLL_FLIGHT_DIR", "streamcoll", "<tmp>/streamcoll-flight",
+           "where flight-record dumps go"),
+    EnvVar("STREAMCOLL_FLIGHT_SIZE", "streamcoll", "1024",
+           "entries kept per communicator by the flight recorder"),
+    EnvVar("STREAMCOLL_DEBUG_CHECKS", "streamcoll", "0",
+           "`1`: every rank checks, before each collective, that all ranks call the same one"),
+    EnvVar("STREAMCOLL_RECORD_STREAM", "streamcoll", "0",
+           "`1`: async tensors are kept with `Tensor.record_stream` instead of held by the Work"),
+    EnvVar("STREAMCOLL_NCCL_NONBLOCKING", "streamcoll", "0",
+           "`1`: NCCL communicators are created non-blocking and polled (init can time out)"),
+    EnvVar("STREAMCOLL_DEVICE", "streamcoll", "",
+           "`xpu`: default device of a oneCCL communicator is the XPU (else the CPU)"),
+    EnvVar("STREAMCOLL_NO_ENV_DEFAULTS", "streamcoll", "0",
+           "`1`: apply none of the CCL_/FI_/NCCL_ defaults below"),
+    EnvVar("STREAMCOLL_ONECCL_LIBRARY", "streamcoll", "",
+           "path to `libccl.so.2` or its folder (first in the search order)"),
+    EnvVar("STREAMCOLL_NCCL_LIBRARY", "streamcoll", "",
+           "path to `libnccl.so.2` or its folder (first in the search order)"),
+    EnvVar("STREAMCOLL_HOME", "streamcoll", "~/.cache/streamcoll",
+           "where the runtime `scripts/setup.sh` assembles lives"),
+    EnvVar("CCL_LOG_LEVEL", "applied", "error", "oneCCL prints errors only"),
+    EnvVar("CCL_LOCAL_RANK", "applied", "LOCAL_RANK", "oneCCL's local rank, from torchrun's"),
+    EnvVar("CCL_LOCAL_SIZE", "applied", "LOCAL_WORLD_SIZE", "oneCCL's local size, from torchrun's"),
+    EnvVar("CCL_WORKER_OFFLOAD", "applied", "0 (1 when ranks outnumber cores)",
+           "one host: run collectives on the calling thread"),
+    EnvVar("CCL_YIELD", "applied", "sched_yield (ranks outnumber cores)",
+           "one host, oversubscribed: waiting ranks yield their core"),
+    EnvVar("CCL_ATL_SHM", "applied", "1", "one host: shared-memory transport"),
+    EnvVar("FI_PROVIDER", "applied", "shm", "one host: libfabric's shared-memory provider"),
+    EnvVar("CCL_KVS_IFACE", "applied", "lo / the routed interface",
+           "oneCCL's key-value store: loopback on one host, else the interface that reaches MASTER_ADDR"),
+    EnvVar("CCL_MNIC_NAME", "applied", "the routed interface", "several hosts: oneCCL's network interface"),
+    EnvVar("CCL_MNIC", "read", "", "oneCCL's NIC selection (set by the user: streamcoll sets no CCL_MNIC_NAME)"),
+    EnvVar("CCL_MNIC_COUNT", "read", "", "oneCCL's number of NICs (user setting)"),
+    EnvVar("CCL_ALLREDUCE", "applied", "recursive_doubling:0-16384;nreduce:16385-max (or nreduce)",
+           "one host: all-reduce algorithm by message size"),
+    EnvVar("NCCL_SOCKET_IFNAME", "applied", "lo / =the routed interface",
+           "NCCL's sockets: loopback on one host, else exactly the interface that reaches MASTER_ADDR"),
+    EnvVar("CCL_ROOT", "read", "", "an installed oneAPI oneCCL (library search)"),
+    EnvVar("CCL_ATL_TRANSPORT", "read", "ofi", "oneCCL's transport (`mpi` over an MPI launcher)"),
+    EnvVar("NCCL_DEBUG", "read", "", "NCCL's own logging"),
+    EnvVar("NCCL_HOME", "read", "", "NCCL installation (library and header search)"),
+    EnvVar("CUDA_HOME", "read", "", "CUDA installation (library search)"),
+    EnvVar("RANK", "read", "0", "this process's rank (torchrun)"),
+    EnvVar("WORLD_SIZE", "read", "1", "number of ranks (torchrun); `world_size=` must agree"),
+    EnvVar("LOCAL_RANK", "read", "RANK", "rank on this host; picks `cuda:LOCAL_RANK`"),
+    EnvVar("LOCAL_WORLD_SIZE", "read", "WORLD_SIZE", "ranks on this host"),
+    EnvVar("GROUP_RANK", "read", "", "torchrun's node index (several hosts)"),
+    EnvVar("MASTER_ADDR", "read", "", "address of the rendezvous store (rank 0)"),
+    EnvVar("MASTER_PORT", "read", "", "port of the rendezvous store"),
+    EnvVar("LD_LIBRARY_PATH", "read", "", "the loader's search path (library search)"),
+)
+
+
+def names() -> List[str]:
+    """Every variable's name, in table order."""
+    return [v.name for v in TABLE]
+
+
+def markdown() -> str:
+    """The table as the README shows it."""
+    lines = ["| variable | kind | default | what it does |", "| --- | --- | --- | --- |"]
+    for v in TABLE:
+        default = f"`{v.default}`" if v.default else ""
+        lines.append(f"| `{v.name}` | {v.kind} | {default} | {v.doc} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,43 @@
+"""One table of environment variables (issue 15): every STREAMCOLL_ variable
+the code reads is in it, ``info`` prints it, and the README shows it."""
+from __future__ import annotations
+
+import io
+import os
+import re
+
+from streamcoll import env_vars
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_every_streamcoll_variable_in_the_code_is_in_the_table():
+    found = set()
+    pkg = os.path.join(ROOT, "streamcoll")
+    for dirpath, _, files in os.walk(pkg):
+        for f in files:
+            if f.endswith(".py"):
+                with open(os.path.join(dirpath, f)) as fh:
+                    found |= set(re.findall(r"\b(STREAMCOLL_[A-Z_]+[A-Z])\b", fh.read()))
+    assert found - set(env_vars.names()) == set(), found - set(env_vars.names())
+    assert len(env_vars.names()) == len(set(env_vars.names()))
+
+
+def test_readme_table_is_the_rendered_table():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    m = re.search(r"<!-- env-table[^>]*-->\n(.*?)<!-- /env-table -->", readme, re.S)
+    assert m, "README has no env-table section"
+    assert m.group(1) == env_vars.markdown(), "README's table is stale: render env_vars.markdown() into it"
+
+
+def test_info_prints_every_variable(monkeypatch):
+    from streamcoll.__main__ import info
+    monkeypatch.setenv("STREAMCOLL_WATCHDOG", "fail")
+    out = io.StringIO()
+    assert info(out) == 0
+    text = out.getvalue()
+    for name in env_vars.names():
+        assert re.search(rf"^  {name}(=| \(not set\))", text, re.M), name
+    assert "  STREAMCOLL_WATCHDOG=fail\n" in text
+    assert "  STREAMCOLL_FLIGHT_SIZE (not set) [streamcoll, default 1024]" in text

@@ -1,0 +1,226 @@
+"""Ctrl-C and SIGTERM after init, on real oneCCL ranks (issue 15).
+
+The ranks are processes of their own (``python tests/test_signals.py
+SCENARIO``), signalled by the test: oneCCL installs native SIGINT/SIGTERM
+handlers at init (``SigCgt``), and the point is how the process ends.
+
+- between calls: SIGINT raises KeyboardInterrupt (``finally`` and ``atexit``
+  run, the exit status is Python's for an uncaught KeyboardInterrupt),
+  SIGTERM ends with -15; oneCCL keeps its handlers for SIGSEGV and friends.
+- inside a synchronous call stuck on a peer that never joins: the process
+  ends within the grace period with exit code 130 and a message naming the
+  call; a second Ctrl-C ends it at once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from world import LOOPBACK_ENV, free_port  # noqa: E402
+
+
+def _out(name: str, data: dict) -> None:
+    path = os.path.join(os.environ["SIGNALS_OUT"], name)
+    old = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+    old.update(data)
+    with open(path + ".tmp", "w") as f:
+        json.dump(old, f)
+    os.replace(path + ".tmp", path)
+
+
+def _caught() -> List[str]:
+    with open(f"/proc/{os.getpid()}/status") as f:
+        for line in f:
+            if line.startswith("SigCgt:"):
+                m = int(line.split()[1], 16)
+                return sorted(signal.Signals(i).name for i in range(1, 32)
+                              if m >> (i - 1) & 1 and i in signal.valid_signals())
+    return []
+
+
+def _between() -> None:
+    import atexit
+    import torch
+    import streamcoll
+    rank = int(os.environ["RANK"])
+    atexit.register(_out, f"rank{rank}.json", {"atexit": True})
+    comm = streamcoll.init(backend="oneccl", device="cpu", timeout=60)
+    t = torch.ones(4)
+    comm.all_reduce(t)
+    _out(f"rank{rank}.json", {"caught": _caught(), "sum": t[0].item()})
+    try:
+        _out(f"rank{rank}.json", {"ready": time.time()})
+        while True:
+            time.sleep(0.01)
+    except KeyboardInterrupt:
+        _out(f"rank{rank}.json", {"keyboard_interrupt": True})
+        raise
+    finally:
+        _out(f"rank{rank}.json", {"finally": True})
+
+
+def _stuck() -> None:
+    import torch
+    import streamcoll
+    rank = int(os.environ["RANK"])
+    comm = streamcoll.init(backend="oneccl", device="cpu", timeout=120)
+    comm.barrier()
+    t = torch.ones(4)
+    if rank == 0:
+        _out("rank0.json", {"entering": time.time()})
+        try:
+            comm.all_reduce(t)  # rank 1 never joins
+        finally:
+            _out("rank0.json", {"finally": True})  # must not run: the call never returns
+    else:
+        _out("rank1.json", {"ready": time.time()})
+        time.sleep(120)
+
+
+SCENARIOS = {"between": _between, "stuck": _stuck}
+
+
+if __name__ != "__main__":
+    import pytest
+
+    from conftest import needs_oneccl
+
+    pytestmark = [needs_oneccl, pytest.mark.world]
+
+    class Ranks:
+        def __init__(self, scenario: str, size: int, tmp, env: Optional[dict] = None) -> None:
+            self.dir = str(tmp)
+            port = free_port()
+            self.procs: List[subprocess.Popen] = []
+            self.ended: Dict[int, float] = {}
+            for r in range(size):
+                e = dict(os.environ)
+                e.update(LOOPBACK_ENV)
+                e.update({"RANK": str(r), "WORLD_SIZE": str(size), "LOCAL_RANK": str(r),
+                          "LOCAL_WORLD_SIZE": str(size), "MASTER_PORT": str(port), "SIGNALS_OUT": self.dir})
+                e.update(env or {})
+                out = open(os.path.join(self.dir, f"stdout{r}"), "w")
+                err = open(os.path.join(self.dir, f"stderr{r}"), "w")
+                self.procs.append(subprocess.Popen([sys.executable, __file__, scenario], env=e, stdout=out,
+                                                   stderr=err, start_new_session=True))
+                out.close()
+                err.close()
+
+        def result(self, r: int) -> dict:
+            path = os.path.join(self.dir, f"rank{r}.json")
+            if not os.path.exists(path):
+                return {}
+            with open(path) as f:
+                return json.load(f)
+
+        def until(self, r: int, key: str, timeout: float = 90) -> float:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                v = self.result(r).get(key)
+                if v is not None:
+                    return v
+                if self.procs[r].poll() is not None:
+                    break
+                time.sleep(0.05)
+            raise AssertionError(f"rank {r} never wrote {key!r}\n{self.describe()}")
+
+        def wait(self, r: int, timeout: float) -> Optional[float]:
+            """Seconds until rank ``r`` ended (None: still running)."""
+            t0 = time.monotonic()
+            try:
+                self.procs[r].wait(timeout)
+            except subprocess.TimeoutExpired:
+                return None
+            return time.monotonic() - t0
+
+        def kill(self) -> None:
+            for p in self.procs:
+                if p.poll() is None:
+                    try:
+                        os.killpg(p.pid, signal.SIGKILL)  # its own session: the rank and nothing else
+                    except ProcessLookupError:
+                        pass
+                    p.wait(10)
+
+        def text(self, what: str, r: int) -> str:
+            with open(os.path.join(self.dir, f"{what}{r}")) as f:
+                return f.read()
+
+        def describe(self) -> str:
+            return "\n".join(f"--- rank {r}: exit {p.returncode}\n{self.text('stderr', r)[-3000:]}"
+                             for r, p in enumerate(self.procs))
+
+    def test_ctrl_c_between_calls_raises_keyboard_interrupt(tmp_path):
+        """After init, SIGINT raises KeyboardInterrupt with finally and atexit
+        (before the fix oneCCL's handler ended the process with status 1 and
+        nothing ran); SIGTERM ends with -15; oneCCL's crash handlers stay."""
+        ranks = Ranks("between", 2, tmp_path)
+        try:
+            for r in (0, 1):
+                ranks.until(r, "ready")
+            os.kill(ranks.procs[0].pid, signal.SIGINT)
+            os.kill(ranks.procs[1].pid, signal.SIGTERM)
+            took = [ranks.wait(r, 30) for r in (0, 1)]
+        finally:
+            ranks.kill()
+        info = ranks.describe()
+        assert took[0] is not None and took[0] < 10, info
+        assert ranks.procs[0].returncode == -signal.SIGINT, info  # Python's exit for an uncaught Ctrl-C
+        res = ranks.result(0)
+        assert res["sum"] == 2.0, res
+        assert res.get("keyboard_interrupt") and res.get("finally") and res.get("atexit"), (res, info)
+        assert "KeyboardInterrupt" in ranks.text("stderr", 0), info
+        assert ranks.procs[1].returncode == -signal.SIGTERM, info
+        # oneCCL's handlers stay for the fatal signals (its crash report), Python's SIGINT handler is back.
+        assert {"SIGSEGV", "SIGBUS", "SIGABRT", "SIGINT"} <= set(res["caught"]), res
+        assert "SIGTERM" not in res["caught"], res  # SIG_DFL again, as before init
+
+    @pytest.mark.parametrize("twice", [False, True], ids=["once", "twice"])
+    def test_ctrl_c_inside_a_stuck_call_ends_the_process(tmp_path, twice):
+        """Rank 0 is inside a synchronous all_reduce that rank 1 never joins.
+        One SIGINT: the process ends within the grace period (1 s) plus a
+        margin, exit code 130, a message naming the call. Two SIGINTs: at
+        once. Before the fix the Ctrl-C was swallowed by oneCCL's handler
+        (status 1, no message); with only Python's handler it would wait
+        for the watchdog's timeout (120 s here)."""
+        from streamcoll.signals import INTERRUPT_GRACE_S
+        ranks = Ranks("stuck", 2, tmp_path)
+        try:
+            ranks.until(1, "ready")
+            ranks.until(0, "entering")
+            time.sleep(1.0)  # well inside the C call
+            os.kill(ranks.procs[0].pid, signal.SIGINT)
+            if twice:
+                time.sleep(0.1)
+                os.kill(ranks.procs[0].pid, signal.SIGINT)
+            took = ranks.wait(0, 20)
+        finally:
+            ranks.kill()
+        info = ranks.describe()
+        assert took is not None, info
+        assert ranks.procs[0].returncode == 130, info
+        err = ranks.text("stderr", 0)
+        assert "streamcoll: SIGINT received" in err, info
+        assert "all_reduce (sequence number 2, synchronous) on communicator 'default' (rank 0 of 2, oneccl" in err, info
+        assert "exit code 130" in err, info
+        assert not ranks.result(0).get("finally"), info
+        if twice:
+            assert "a second time" in err and took < INTERRUPT_GRACE_S, (took, info)
+        else:
+            assert f"did not return within {INTERRUPT_GRACE_S:g} s" in err, info
+            assert INTERRUPT_GRACE_S <= took <= INTERRUPT_GRACE_S + 3.0, (took, info)
+
+else:
+    SCENARIOS[sys.argv[1]]()
