@@ -130,10 +130,31 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         self._lock = threading.Lock()
         self._coalescing: Optional[tuple] = None
         self._last_device: Optional[torch.device] = None
+        self._group_name: Optional[str] = None
 
     # -- identity -----------------------------------------------------------
     def getBackendName(self) -> str:
         return BACKEND_NAME
+
+    def _set_group_name(self, name: str) -> None:
+        """Keep the name torch assigns (``_new_process_group_helper`` calls
+        this). The C++ base class stores the name in its registered backends,
+        and a Python process group registers none, so its ``group_name``
+        would raise "ProcessGroup name not set"; DeviceMesh, FSDP2, DTensor,
+        functional collectives and ``destroy_process_group(group)`` all look
+        a group up by this name."""
+        if not isinstance(name, str):
+            raise TypeError(f"name: expected a str, got {type(name).__name__}")
+        self._group_name = name
+        super()._set_group_name(name)
+
+    @property
+    def group_name(self) -> str:
+        """The name torch registered this group under (``_set_group_name``)."""
+        if self._group_name is None:
+            raise RuntimeError("ProcessGroup name not set: this streamcoll process group was not created by "
+                               "torch.distributed (init_process_group/new_group), which names it")
+        return self._group_name
 
     def __repr__(self) -> str:
         return f"<ProcessGroupStreamcoll rank={self._rank} size={self._size} comms={list(self._comms)}>"
@@ -152,8 +173,9 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
             c = self._comms.get(key)
             if c is None:
                 store = dist.PrefixStore(f"streamcoll/{dev}/", self._store)
+                label = self._group_name if self._group_name is not None else "unnamed"
                 c = new_communicator(device=dev, timeout=self._timeout, store=store, rank=self._rank,
-                                     world_size=self._size, name=f"pg-{dev.type}")
+                                     world_size=self._size, name=f"pg{label}-{dev.type}")
                 self._comms[key] = c
         return c
 
