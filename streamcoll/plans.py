@@ -254,9 +254,23 @@ class PlanContext:
         outs = tuple(ts[p.name] for p in spec.buffers if p.mutable)
         return Plan(f, args, post, tuple(ts.values()) + keep, outs, spec.name)
 
+    @staticmethod
+    def check_tag(tag: Any, name: str = "tag") -> None:
+        """Only tag 0. NCCL and oneCCL match a pair's messages in issue order
+        and carry no tag, so a tag cannot be honoured; rather than let
+        ``recv(tag=2)`` silently take the message sent with ``tag=1``, a
+        non-zero tag is refused (before any C call)."""
+        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)):
+            raise TypeError(f"{name}: expected an int, got {type(tag).__name__}")
+        if tag != 0:
+            raise ValueError(f"{name}: message tags are not supported (NCCL and oneCCL match a pair's messages "
+                             f"in issue order and carry no tag); pass tag=0, got {int(tag)}")
+
     def p2p(self, kind: str, tensor: Any, peer: Any, name: str, tag: Any = 0) -> Plan:
         if peer is None and kind == "recv":
             raise ValueError("src: receiving from any source is not supported; pass the sender's rank")
+        if tag != 0 or type(tag) is not int:
+            self.check_tag(tag)
         t = self.t(tensor, "tensor")
         peer = self.check_rank(peer, name)
         if peer == self.rank:
@@ -315,6 +329,7 @@ class PlanContext:
             grp = getattr(p, "group", None)
             if grp is not None and grp is not self.comm:
                 raise ValueError(f"p2p_op_list[{i}].group: expected this communicator or None")
+            self.check_tag(getattr(p, "tag", 0) or 0, f"p2p_op_list[{i}].tag")
             t = self.t(p.tensor, "tensor")
             peer = self.check_rank(p.peer, f"p2p_op_list[{i}].peer")
             if peer == self.rank:

@@ -7,6 +7,7 @@ free loopback port chosen in the parent, and destroys it at the end.
 """
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import pytest
@@ -144,6 +145,39 @@ def _collectives(comm, port):
     return out
 
 
+def _p2p_torch(comm, backend: str, port: int):
+    """torch's p2p API on ``backend``: irecv before isend on every rank,
+    batch_isend_irecv (torch hands a Python group its ops one by one), and
+    a non-zero tag."""
+    r, n = comm.rank, comm.size
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    _init(backend, port, r, n)
+    out = {}
+    try:
+        b = torch.zeros(3)
+        t0 = time.monotonic()
+        wr = dist.irecv(b, prv)
+        ws = dist.isend(torch.full((3,), float(r)), nxt)
+        wr.wait()
+        ws.wait()
+        out["irecv_first"] = (b.tolist(), time.monotonic() - t0)
+        got = torch.zeros(2)
+        ops = [dist.P2POp(dist.irecv, got, prv), dist.P2POp(dist.isend, torch.full((2,), float(10 + r)), nxt)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        out["batch"] = got.tolist()
+        if backend == "streamcoll":
+            try:
+                dist.send(torch.ones(1), nxt, tag=1)
+                out["tag"] = None
+            except ValueError as e:
+                out["tag"] = str(e)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
 def _ddp_train(comm, backend: str, port: int, steps: int, bucket_cap_mb: float):
     """Train a small MLP with DDP over ``backend``; returns the parameters."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -217,6 +251,16 @@ def test_collectives_through_torch_distributed(w2):
         assert ni[1] is not None and "monitored_barrier" in ni[1]
         assert ni[2] is not None and "allgather_coalesced" in ni[2]
         assert "cpu, cuda and xpu" in out["meta"]
+
+
+def test_p2p_any_order_like_gloo(w2):
+    gloo = w2.run(_p2p_torch, "gloo", free_port(), timeout=60)
+    sc = w2.run(_p2p_torch, "streamcoll", free_port(), timeout=60)
+    for r in range(2):
+        prv = (r - 1) % 2
+        assert sc[r]["irecv_first"][0] == gloo[r]["irecv_first"][0] == [float(prv)] * 3
+        assert sc[r]["batch"] == gloo[r]["batch"] == [float(10 + prv)] * 2
+        assert "tag" in sc[r]["tag"] and "not supported" in sc[r]["tag"]
 
 
 # Tolerance: with 2 ranks both backends compute each averaged gradient as
