@@ -106,7 +106,7 @@ def _namespace(comm: Any) -> Dict[str, Any]:
     fr = comm._flight
     return {
         "_comm": comm, "_fr": fr, "_ring": fr.ring, "_mask": fr.mask, "_lock": comm._rt.exec_lock,
-        "_rt": comm._rt, "_Entry": FlightEntry, "_Tensor": torch.Tensor,
+        "_rt": comm._rt, "_Entry": FlightEntry, "_Tensor": torch.Tensor, "_strided": torch.strided,
     }
 
 
@@ -158,6 +158,7 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         conds.append(f"type({b}) is _Tensor")
     for b in bufs:
         conds.append(f"{b}.get_device() == _idx" if gpu else f"{b}.is_cpu")
+        conds.append(f"{b}.layout is _strided")  # a sparse CSR tensor's is_contiguous() raises
         conds.append(f"{b}.is_contiguous()")
     send = spec.send or spec.recv
     assert send is not None

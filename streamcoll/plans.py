@@ -23,6 +23,7 @@ from .validation import as_tensor, check_list, check_rank, check_same
 __all__ = ["PlanContext"]
 
 _Tensor = torch.Tensor
+_strided = torch.strided
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -121,7 +122,7 @@ class PlanContext:
     # ---------------------------------------------------------- checks
     def t(self, t: Any, name: str) -> torch.Tensor:
         c = self.comm
-        if type(t) is _Tensor and not self.gpu and t.is_cpu and t.is_contiguous():
+        if type(t) is _Tensor and not self.gpu and t.is_cpu and t.layout is _strided and t.is_contiguous():
             return t
         return as_tensor(t, name, c._device, c._dev_type, c._dev_index)
 

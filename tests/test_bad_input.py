@@ -18,6 +18,14 @@ def _cases(comm):
     meta = torch.ones(4, device="meta")  # a tensor on another device
     return [
         ("non-contiguous", lambda: streamcoll.all_reduce(nc), ValueError, ["tensor", "contiguous"]),
+        ("sparse coo", lambda: streamcoll.all_reduce(torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,))),
+         TypeError, ["tensor", "sparse tensors are not supported"]),
+        ("sparse csr", lambda: streamcoll.broadcast(torch.eye(3).to_sparse_csr(), 0), TypeError,
+         ["tensor", "sparse", "sparse_csr"]),
+        ("all_gather_coalesced rows", lambda: streamcoll.all_gather_coalesced([[torch.empty(4)]] * size, [ok, ok]),
+         ValueError, ["output_tensor_lists[0]", "2 tensors"]),
+        ("all_gather_coalesced numel", lambda: streamcoll.all_gather_coalesced([[torch.empty(3)]] * size, [ok]),
+         ValueError, ["output_tensor_lists[0][0]", "4"]),
         ("wrong device", lambda: streamcoll.all_reduce(meta), ValueError, ["tensor", "cpu", "meta"]),
         ("not a tensor", lambda: streamcoll.all_reduce([1.0, 2.0]), TypeError, ["tensor", "torch.Tensor", "list"]),
         ("non-contiguous numpy", lambda: streamcoll.all_reduce(np.ones((4, 4), np.float32).T), ValueError,

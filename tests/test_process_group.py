@@ -128,14 +128,40 @@ def _collectives(comm, port):
 
         errors = []
         for call in (lambda: dist.recv(torch.empty(1)),                 # any source
-                     lambda: pg.monitored_barrier(timedelta(seconds=5)),
-                     lambda: pg.allgather_coalesced([[torch.empty(1)]], [torch.empty(1)])):
+                     lambda: pg.monitored_barrier(timedelta(seconds=5))):
             try:
                 call()
                 errors.append(None)
             except NotImplementedError as e:
                 errors.append(str(e))
         out["not_implemented"] = errors
+
+        # all_gather_coalesced: one group launch of one all_gather per input
+        ins = [torch.full((2, 2), float(r + 1)), torch.full((1,), float(10 * r)),
+               torch.arange(3, dtype=torch.float32) + r]
+        outs = [[torch.empty_like(x) for x in ins] for _ in range(n)]
+        seq = pg.communicator("cpu").seq
+        dist.all_gather_coalesced(outs, ins)
+        out["all_gather_coalesced"] = [[x.tolist() for x in row] for row in outs]
+        out["all_gather_coalesced_launches"] = pg.communicator("cpu").seq - seq
+        try:
+            dist.all_reduce(torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,)))
+            out["sparse"] = None
+        except TypeError as e:
+            out["sparse"] = str(e)
+
+        # a barrier a rank never reaches: the first collective of a group
+        # creates its communicator (through the store) and times out
+        g = dist.new_group(backend="streamcoll", timeout=timedelta(seconds=3))
+        if r == 0:
+            t0 = time.monotonic()
+            try:
+                dist.barrier(group=g)
+                out["barrier_timeout"] = None
+            except Exception as e:  # noqa: BLE001 - the type is asserted in the parent
+                out["barrier_timeout"] = (type(e).__name__, str(e), time.monotonic() - t0)
+        dist.destroy_process_group(g)
+        dist.barrier()
         try:
             dist.all_reduce(torch.ones(2, device="meta"))
         except (ValueError, RuntimeError) as e:
@@ -249,7 +275,15 @@ def test_collectives_through_torch_distributed(w2):
         ni = out["not_implemented"]
         assert ni[0] is not None and "recv_anysource" in ni[0]
         assert ni[1] is not None and "monitored_barrier" in ni[1]
-        assert ni[2] is not None and "allgather_coalesced" in ni[2]
+        assert out["all_gather_coalesced"] == [
+            [[[float(k + 1)] * 2] * 2, [float(10 * k)], [float(k + j) for j in range(3)]] for k in range(n)]
+        assert out["all_gather_coalesced_launches"] == 1
+        assert "tensor" in out["sparse"] and "sparse tensors are not supported" in out["sparse"]
+        if r == 0:
+            kind, msg, took = out["barrier_timeout"]
+            assert kind == "CollectiveTimeout" and "barrier" in msg and "timed out" in msg, msg
+            assert "store:" in msg  # the store's detail is kept, after the explanation
+            assert took < 30
         assert "cpu, cuda and xpu" in out["meta"]
 
 
