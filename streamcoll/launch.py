@@ -146,7 +146,9 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
     ns = _namespace(comm)
     ns.update({
         "_general": general, "_f": f, "_h": comm._handle, "_size": comm._size, "_rank": comm._rank,
-        "_dtypes": {k: v for k, v in cx.dtypes.items() if k is not torch.bool},
+        # bool and (for reductions) dtypes reduced through a wider one take the general path
+        "_dtypes": {k: v for k, v in cx.dtypes.items()
+                    if k is not torch.bool and not (spec.reduces and k in cx.widened)},
         "_ptrs": cx.ptrs.get, "_vp": cx.vp, "_null": comm._rt._null if not gpu else None,
     })
     conds: List[str] = []

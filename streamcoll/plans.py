@@ -52,6 +52,26 @@ def _run_group(gs: Callable[[], int], ge: Callable[[], int], calls: Sequence[Tup
     return 0
 
 
+def _after(pre: Callable[[], Any], f: Callable[..., int]) -> Callable[..., int]:
+    """``f`` with ``pre()`` run first, at launch (a conversion into a wider buffer)."""
+    def fn(*args: Any) -> int:
+        pre()
+        return f(*args)
+    return fn
+
+
+def _then(post: Optional[Callable[[], Any]], wide: torch.Tensor, out: torch.Tensor) -> Callable[[], Any]:
+    """``post`` (on the wide result), then the one rounding into ``out``
+    (``copy_`` rounds to nearest even)."""
+    if post is None:
+        return lambda: out.copy_(wide)
+
+    def fn() -> None:
+        post()
+        out.copy_(wide)
+    return fn
+
+
 class PlanContext:
     """What a planner sees of its communicator."""
 
@@ -69,6 +89,8 @@ class PlanContext:
         self.gpu = comm._gpu
         self.dtypes = b.dtypes
         self.emulated = b.emulated(comm._device.type)
+        # dtype -> the dtype its reductions run in (oneCCL CPU bf16: float32)
+        self.widened: Dict[torch.dtype, torch.dtype] = b.widened(comm._device.type)
         self.op_cache: Dict[Any, tuple] = {}
         self.declarations = _declarations(b.binding.declarations)
         # C functions, resolved once (functions the library lacks stay None).
@@ -236,10 +258,26 @@ class PlanContext:
         root = self.check_rank(a[spec.root], spec.root) if spec.root else None
         red = post = None
         recv = ts[spec.recv] if spec.recv else send
+        f = self.need(spec.name)
+        wide = self.widened.get(send.dtype) if spec.reduces else None
         if spec.reduces:
             red, kind, factor = self.reduction(a["op"], send.dtype, opname)
-            post = self.post(kind, factor, recv, not spec.post_on_root_only or root == self.rank)
-        f = self.need(spec.name)
+            applies = not spec.post_on_root_only or root == self.rank
+            if wide is not None:
+                # Reduce through ``wide`` where the library's own reduction of
+                # this dtype rounds badly (backends._WIDENED): the input is
+                # converted when the call runs (not now: queued work before it
+                # may still write it), the reduction (and AVG/PREMUL's
+                # scaling) runs in ``wide``, the result is rounded once.
+                nsend, nrecv = send, recv
+                send = torch.empty(nsend.shape, dtype=wide, device=nsend.device)
+                recv = send if nrecv is nsend else torch.empty(nrecv.shape, dtype=wide, device=nrecv.device)
+                d = self.dtypes[wide]
+                keep = keep + (send, recv)
+                f = _after(lambda: send.copy_(nsend), f)
+                post = _then(self.post(kind, factor, recv, applies), recv, nrecv) if applies else None
+            else:
+                post = self.post(kind, factor, recv, applies)
         vp = self.vp
         sp = vp(send)
         if spec.post_on_root_only and root != self.rank and self.backend.nonroot_recv_scratch:
