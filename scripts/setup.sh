@@ -40,7 +40,8 @@ need=()
 import importlib.util, sys
 mods = {"numpy": "numpy", "cffi": "cffi>=1.16", "pytest": "pytest", "xdist": "pytest-xdist",
         "pytest_timeout": "pytest-timeout", "hypothesis": "hypothesis", "matplotlib": "matplotlib",
-        "mypy": "mypy"}
+        "mypy": "mypy",
+        "expecttest": "expecttest"}  # torch.testing._internal.common_utils (the _DistTestBase tier)
 missing = [pkg for mod, pkg in mods.items() if importlib.util.find_spec(mod) is None]
 import os, site
 paths = [p for p in sys.path if p and os.path.isdir(p)]

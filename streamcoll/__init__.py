@@ -25,6 +25,7 @@ from .bootstrap import (
 )
 from .collectives import (
     all_gather,
+    all_gather_coalesced,
     all_gather_into_tensor,
     all_reduce,
     all_to_all,
@@ -73,7 +74,7 @@ __all__ = [
     "get_rank", "get_world_size", "default_communicator",
     "Communicator", "Work", "P2POp", "ReduceOp", "PreMulSum", "premul_sum",
     "all_reduce", "allreduce", "broadcast", "reduce", "all_gather_into_tensor", "all_gather",
-    "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single", "all_to_all", "gather", "scatter",
+    "all_gather_coalesced", "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single", "all_to_all", "gather", "scatter",
     "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier",
     "GradientSync", "ProcessGroupStreamcoll",
     "CollectiveError", "LibraryError", "NcclError", "OnecclError", "LibraryNotFoundError",

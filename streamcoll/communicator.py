@@ -22,6 +22,15 @@ instance attribute while the communicator is eligible (no pre-launch hooks,
 not coalescing, not failed or destroyed): :meth:`_refresh_fast_paths` is
 the one place that decides.
 
+Point-to-point ops with torch's semantics: ``isend``/``irecv``/
+``batch_isend_irecv`` are *posted* (planned and validated, nothing issued)
+and all posted ops go out as one group launch when one of them is waited
+on or queried, another operation is issued, a coalescing block opens, or the
+communicator is destroyed; a blocking ``send``/``recv`` joins them. So both
+ranks may ``irecv`` then ``isend`` in any order without a deadlock, and
+without a thread per op. Tags: NCCL and oneCCL have none, so a non-zero
+``tag`` is refused (ValueError) instead of being ignored.
+
 Other modules attach through hooks, never by writing privates:
 :meth:`register_pre_hook` (debug checks), :meth:`register_rc_hook`
 (non-blocking NCCL polling), :meth:`mark_failed` (watchdog, process group),
@@ -55,7 +64,7 @@ from .ops import ReduceOp
 from .plans import PlanContext
 from .spec import Plan
 from .streams import Lane, runtime_for
-from .work import REAPER, Work
+from .work import REAPER, PostedWork, Work
 
 __all__ = ["Communicator", "P2POp", "LaunchRecord", "HookHandle", "communicator_by_id"]
 
@@ -65,6 +74,12 @@ _Tensor = torch.Tensor
 _SUM = ReduceOp.SUM
 
 DEFAULT_TIMEOUT = 600.0  # seconds, as torch.distributed's default for NCCL
+
+# Point-to-point ops that are posted rather than launched (always
+# asynchronous: isend, irecv, batch_isend_irecv) and the synchronous ones
+# (send, recv), which join the posted ones' group; from the table.
+_POSTED = frozenset(n for n, s in _spec.TABLE.items() if s.p2p and s.async_mode == "always")
+_P2P_SYNC = frozenset(n for n, s in _spec.TABLE.items() if s.p2p and s.async_mode == "never")
 
 
 def _env_timeout() -> float:
@@ -216,6 +231,10 @@ class Communicator(CollectiveMethods):
         self._destroyed = False
         self._coalescing: Optional[list] = None
         self._coalescing_thread: Optional[int] = None
+        # posted p2p ops not launched yet: (plan, PostedWork), all under one current-stream key
+        self._posted: List[tuple] = []
+        self._posted_key: Any = None
+        self._post_lock = threading.Lock()
         self._pre_hooks: List[Callable[[LaunchRecord], Any]] = []
         self._rc_hooks: List[Callable[[str, int], bool]] = []
         self._debug: Any = None
@@ -323,9 +342,11 @@ class Communicator(CollectiveMethods):
     def _refresh_fast_paths(self) -> None:
         """Install the generated fast paths where the communicator is
         eligible, remove them where not. The one place that decides: hooks,
-        coalescing, failure and destroy call it."""
+        coalescing, posted p2p ops, failure and destroy call it. (While p2p
+        ops are posted every call takes the general path, which launches
+        them first, or, for send/recv, together with them.)"""
         ok = (not self._destroyed and self._failed is None and not self._pre_hooks
-              and self._coalescing is None and self._handle is not None)
+              and self._coalescing is None and self._handle is not None and not self._posted)
         d = self.__dict__
         if ok:
             d.update(self._fast)
@@ -417,6 +438,8 @@ class Communicator(CollectiveMethods):
             self._refresh_fast_paths()
             return
         t = self.timeout if timeout is None else _seconds(timeout)
+        if self._posted and self._failed is None:
+            self._flush_posted()  # posted sends and receives go out, as torch's would have
         if self._failed is not None:
             t = 0.0  # its stuck work already failed (and was reported): do not wait for it again
         finished = self._rt.close(t)
@@ -499,7 +522,18 @@ class Communicator(CollectiveMethods):
             if stream is not None:
                 raise ValueError(f"stream: {name}(async_op=True) launches on the comm stream of the current "
                                  "stream; make the stream current (torch.cuda.stream(s)) instead of passing stream=")
+            if name in _POSTED:
+                return self._post(name, plan)
+            if self._posted:
+                self._flush_posted()
             return self._launch_async(name, plan)
+        if self._posted:
+            if name in _P2P_SYNC and stream is None:
+                # with the posted ops in one group: a blocking send/recv after
+                # an irecv/isend must not wait behind them (nor they behind it)
+                self._post(name, plan).wait()
+                return None
+            self._flush_posted()
         return self._launch_sync(name, plan, stream)
 
     def _check_stream(self, name: str, stream: Any) -> None:
@@ -516,6 +550,61 @@ class Communicator(CollectiveMethods):
             return
         raise TypeError(f"stream: {name} on a {self._dev_type} communicator expects a {self._dev_type} stream "
                         f"(torch.{self._dev_type}.Stream) or None, got {stream!r}")
+
+    def _post(self, name: str, plan: Plan) -> PostedWork:
+        """Post a p2p op: kept (validated, planned, nothing issued) until
+        :meth:`_flush_posted` launches every posted op as one group. Ops
+        posted under another current stream (GPU) first launch the ones
+        posted before, so each group's comm stream waits on the stream its
+        ops were posted under."""
+        key = self._rt.current_key()
+        if self._posted and key != self._posted_key:
+            self._flush_posted()
+        w = PostedWork(self, name, plan.outputs)
+        with self._post_lock:
+            first = not self._posted
+            self._posted.append((plan, w))
+            self._posted_key = key
+        if first:
+            self._refresh_fast_paths()
+        return w
+
+    def _flush_posted(self) -> None:
+        """Launch the posted p2p ops, all in one group (one Work, one
+        sequence number; a lone op as itself). Called when one of them is
+        waited on or queried, before any other operation is issued, when a
+        coalescing block opens and at destroy. A launch error is delivered
+        to the posted ops' Works, not raised here (the caller may be an
+        unrelated collective)."""
+        with self._post_lock:
+            posted, self._posted = self._posted, []
+            key = self._posted_key
+        if not posted:
+            return
+        self._refresh_fast_paths()
+        try:
+            if len(posted) == 1:
+                plan, w = posted[0]
+                work = self._launch_async(w.op, plan, key)
+            else:
+                work = self._launch_async("p2p_group", self._group_plan([p for p, _ in posted]), key)
+        except BaseException as e:  # noqa: BLE001 - handed to the Works, raised by their wait()
+            for _, w in posted:
+                w._exc = e
+            return
+        for _, w in posted:
+            w._group = work
+            w.seq = work.seq
+
+    def _group_plan(self, plans: Sequence[Plan], cname: str = "group_end") -> Plan:
+        """One plan launching ``plans`` between GroupStart and GroupEnd, their
+        post-ops after it (coalescing blocks, posted p2p ops)."""
+        posts = [p.post for p in plans if p.post is not None]
+        calls = [(p.fn, p.args, p.cname) for p in plans]
+        fn, args = self._cx.group(calls)
+        return Plan(fn, args, (lambda: [p() for p in posts]) if posts else None,
+                    tuple(t for p in plans for t in p.keep), tuple(t for p in plans for t in p.outputs),
+                    cname, any(p.p2p for p in plans))
 
     def _run_queued_sync(self, name: str, plan: Plan) -> None:
         """A synchronous CPU call made while async work is queued: it goes
@@ -572,7 +661,9 @@ class Communicator(CollectiveMethods):
         if plan.post is not None:
             plan.post()
 
-    def _launch_async(self, name: str, plan: Plan) -> Work:
+    def _launch_async(self, name: str, plan: Plan, key: Any = None) -> Work:
+        """Queue ``plan`` on the comm stream serving ``key`` (default: the
+        caller's current stream) and return its Work."""
         rt = self._rt
         if self._gpu and rt.is_capturing():
             # before a sequence number is taken: nothing was issued
@@ -580,7 +671,8 @@ class Communicator(CollectiveMethods):
                 f"{name}(async_op=True) during CUDA graph capture is not supported; use async_op=False "
                 "(it launches on the capturing stream)"
             )
-        key = rt.current_key()
+        if key is None:
+            key = rt.current_key()
         lane = self._lanes.get(key)
         if lane is None:
             lane = self._lanes[key] = rt.new_lane(key)
@@ -654,6 +746,8 @@ class Communicator(CollectiveMethods):
         exits, and whose ``wait()`` waits for it."""
         if self._coalescing is not None:
             raise UsageError("coalescing() blocks do not nest")
+        if self._posted:
+            self._flush_posted()  # ops posted before the block go first, as issued
         handle = _Coalesced()
         ops: List[tuple] = []
         self._coalescing = ops
@@ -666,13 +760,7 @@ class Communicator(CollectiveMethods):
             self._coalescing_thread = None
             self._refresh_fast_paths()
         if ops:
-            plans = [p for _, p in ops]
-            posts = [p.post for p in plans if p.post is not None]
-            calls = [(p.fn, p.args, p.cname) for p in plans]
-            fn, args = self._cx.group(calls)
-            plan = Plan(fn, args, (lambda: [p() for p in posts]) if posts else None,
-                        tuple(t for p in plans for t in p.keep), tuple(t for p in plans for t in p.outputs),
-                        "group_end", any(p.p2p for p in plans))
+            plan = self._group_plan([p for _, p in ops])
             handle.work = self._launch("coalesced", plan, async_op, None)
 
     # ------------------------------------------------------------ split

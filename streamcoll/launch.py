@@ -106,7 +106,7 @@ def _namespace(comm: Any) -> Dict[str, Any]:
     fr = comm._flight
     return {
         "_comm": comm, "_fr": fr, "_ring": fr.ring, "_mask": fr.mask, "_lock": comm._rt.exec_lock,
-        "_rt": comm._rt, "_Entry": FlightEntry, "_Tensor": torch.Tensor,
+        "_rt": comm._rt, "_Entry": FlightEntry, "_Tensor": torch.Tensor, "_strided": torch.strided,
     }
 
 
@@ -146,7 +146,9 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
     ns = _namespace(comm)
     ns.update({
         "_general": general, "_f": f, "_h": comm._handle, "_size": comm._size, "_rank": comm._rank,
-        "_dtypes": {k: v for k, v in cx.dtypes.items() if k is not torch.bool},
+        # bool and (for reductions) dtypes reduced through a wider one take the general path
+        "_dtypes": {k: v for k, v in cx.dtypes.items()
+                    if k is not torch.bool and not (spec.reduces and k in cx.widened)},
         "_ptrs": cx.ptrs.get, "_vp": cx.vp, "_null": comm._rt._null if not gpu else None,
     })
     conds: List[str] = []
@@ -158,6 +160,7 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         conds.append(f"type({b}) is _Tensor")
     for b in bufs:
         conds.append(f"{b}.get_device() == _idx" if gpu else f"{b}.is_cpu")
+        conds.append(f"{b}.layout is _strided")  # a sparse CSR tensor's is_contiguous() raises
         conds.append(f"{b}.is_contiguous()")
     send = spec.send or spec.recv
     assert send is not None

@@ -24,6 +24,7 @@ from .validation import as_tensor, check_list, check_rank, check_same
 __all__ = ["PlanContext"]
 
 _Tensor = torch.Tensor
+_strided = torch.strided
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -52,6 +53,26 @@ def _run_group(gs: Callable[[], int], ge: Callable[[], int], calls: Sequence[Tup
     return 0
 
 
+def _after(pre: Callable[[], Any], f: Callable[..., int]) -> Callable[..., int]:
+    """``f`` with ``pre()`` run first, at launch (a conversion into a wider buffer)."""
+    def fn(*args: Any) -> int:
+        pre()
+        return f(*args)
+    return fn
+
+
+def _then(post: Optional[Callable[[], Any]], wide: torch.Tensor, out: torch.Tensor) -> Callable[[], Any]:
+    """``post`` (on the wide result), then the one rounding into ``out``
+    (``copy_`` rounds to nearest even)."""
+    if post is None:
+        return lambda: out.copy_(wide)
+
+    def fn() -> None:
+        post()
+        out.copy_(wide)
+    return fn
+
+
 class PlanContext:
     """What a planner sees of its communicator."""
 
@@ -69,6 +90,8 @@ class PlanContext:
         self.gpu = comm._gpu
         self.dtypes = b.dtypes
         self.emulated = b.emulated(comm._device.type)
+        # dtype -> the dtype its reductions run in (oneCCL CPU bf16: float32)
+        self.widened: Dict[torch.dtype, torch.dtype] = b.widened(comm._device.type)
         self.op_cache: Dict[Any, tuple] = {}
         self.declarations = _declarations(b.binding.declarations)
         # C functions, resolved once (functions the library lacks stay None).
@@ -122,7 +145,7 @@ class PlanContext:
     # ---------------------------------------------------------- checks
     def t(self, t: Any, name: str) -> torch.Tensor:
         c = self.comm
-        if type(t) is _Tensor and not self.gpu and t.is_cpu and t.is_contiguous():
+        if type(t) is _Tensor and not self.gpu and t.is_cpu and t.layout is _strided and t.is_contiguous():
             return t
         return as_tensor(t, name, c._device, c._dev_type, c._dev_index)
 
@@ -237,10 +260,26 @@ class PlanContext:
         root = self.check_rank(a[spec.root], spec.root) if spec.root else None
         red = post = None
         recv = ts[spec.recv] if spec.recv else send
+        f = self.need(spec.name)
+        wide = self.widened.get(send.dtype) if spec.reduces else None
         if spec.reduces:
             red, kind, factor = self.reduction(a["op"], send.dtype, opname)
-            post = self.post(kind, factor, recv, not spec.post_on_root_only or root == self.rank)
-        f = self.need(spec.name)
+            applies = not spec.post_on_root_only or root == self.rank
+            if wide is not None:
+                # Reduce through ``wide`` where the library's own reduction of
+                # this dtype rounds badly (backends._WIDENED): the input is
+                # converted when the call runs (not now: queued work before it
+                # may still write it), the reduction (and AVG/PREMUL's
+                # scaling) runs in ``wide``, the result is rounded once.
+                nsend, nrecv = send, recv
+                send = torch.empty(nsend.shape, dtype=wide, device=nsend.device)
+                recv = send if nrecv is nsend else torch.empty(nrecv.shape, dtype=wide, device=nrecv.device)
+                d = self.dtypes[wide]
+                keep = keep + (send, recv)
+                f = _after(lambda: send.copy_(nsend), f)
+                post = _then(self.post(kind, factor, recv, applies), recv, nrecv) if applies else None
+            else:
+                post = self.post(kind, factor, recv, applies)
         vp = self.vp
         sp = vp(send)
         if spec.post_on_root_only and root != self.rank and self.backend.nonroot_recv_scratch:
@@ -256,9 +295,23 @@ class PlanContext:
         outs = tuple(ts[p.name] for p in spec.buffers if p.mutable)
         return Plan(f, args, post, tuple(ts.values()) + keep, outs, spec.name)
 
+    @staticmethod
+    def check_tag(tag: Any, name: str = "tag") -> None:
+        """Only tag 0. NCCL and oneCCL match a pair's messages in issue order
+        and carry no tag, so a tag cannot be honoured; rather than let
+        ``recv(tag=2)`` silently take the message sent with ``tag=1``, a
+        non-zero tag is refused (before any C call)."""
+        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)):
+            raise TypeError(f"{name}: expected an int, got {type(tag).__name__}")
+        if tag != 0:
+            raise ValueError(f"{name}: message tags are not supported (NCCL and oneCCL match a pair's messages "
+                             f"in issue order and carry no tag); pass tag=0, got {int(tag)}")
+
     def p2p(self, kind: str, tensor: Any, peer: Any, name: str, tag: Any = 0) -> Plan:
         if peer is None and kind == "recv":
             raise ValueError("src: receiving from any source is not supported; pass the sender's rank")
+        if tag != 0 or type(tag) is not int:
+            self.check_tag(tag)
         t = self.t(tensor, "tensor")
         peer = self.check_rank(peer, name)
         if peer == self.rank:
@@ -327,6 +380,7 @@ class PlanContext:
             grp = getattr(p, "group", None)
             if grp is not None and grp is not self.comm:
                 raise ValueError(f"p2p_op_list[{i}].group: expected this communicator or None")
+            self.check_tag(getattr(p, "tag", 0) or 0, f"p2p_op_list[{i}].tag")
             t = self.t(p.tensor, "tensor")
             peer = self.check_rank(p.peer, f"p2p_op_list[{i}].peer")
             if peer == self.rank:

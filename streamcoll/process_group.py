@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from . import spec
 from .communicator import Communicator
+from .errors import CollectiveTimeout
 
 __all__ = ["ProcessGroupStreamcoll", "StreamcollWork", "create_process_group", "register_backend", "BACKEND_NAME"]
 
@@ -131,19 +132,43 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         self._lock = threading.Lock()
         self._coalescing: Optional[tuple] = None
         self._last_device: Optional[torch.device] = None
+        self._group_name: Optional[str] = None
 
     # -- identity -----------------------------------------------------------
     def getBackendName(self) -> str:
         """``"streamcoll"``, the name the backend is registered under."""
         return BACKEND_NAME
 
+    def _set_group_name(self, name: str) -> None:
+        """Keep the name torch assigns (``_new_process_group_helper`` calls
+        this). The C++ base class stores the name in its registered backends,
+        and a Python process group registers none, so its ``group_name``
+        would raise "ProcessGroup name not set"; DeviceMesh, FSDP2, DTensor,
+        functional collectives and ``destroy_process_group(group)`` all look
+        a group up by this name."""
+        if not isinstance(name, str):
+            raise TypeError(f"name: expected a str, got {type(name).__name__}")
+        self._group_name = name
+        super()._set_group_name(name)
+
+    @property
+    def group_name(self) -> str:
+        """The name torch registered this group under (``_set_group_name``)."""
+        if self._group_name is None:
+            raise RuntimeError("ProcessGroup name not set: this streamcoll process group was not created by "
+                               "torch.distributed (init_process_group/new_group), which names it")
+        return self._group_name
+
     def __repr__(self) -> str:
         return f"<ProcessGroupStreamcoll rank={self._rank} size={self._size} comms={list(self._comms)}>"
 
     # -- communicators ------------------------------------------------------
-    def communicator(self, device: Any) -> Communicator:
+    def communicator(self, device: Any, op: str = "collective") -> Communicator:
         """The Communicator serving ``device`` (created on first use: a
-        collective call, so every rank must reach it)."""
+        collective call, so every rank must reach it). ``op`` names that
+        collective in the timeout error if another rank never reaches it:
+        the wait is then on the store (the ranks exchange the library's
+        unique id there), whose own error would name only a store key."""
         dev = torch.device(device)
         key = (dev.type, dev.index)
         c = self._comms.get(key)
@@ -154,19 +179,30 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
             c = self._comms.get(key)
             if c is None:
                 store = dist.PrefixStore(f"streamcoll/{dev}/", self._store)
-                c = new_communicator(device=dev, timeout=self._timeout, store=store, rank=self._rank,
-                                     world_size=self._size, name=f"pg-{dev.type}")
+                label = self._group_name if self._group_name is not None else "unnamed"
+                try:
+                    c = new_communicator(device=dev, timeout=self._timeout, store=store, rank=self._rank,
+                                         world_size=self._size, name=f"pg{label}-{dev.type}")
+                except dist.DistStoreError as e:
+                    if "imeout" not in str(e):
+                        raise
+                    t = _seconds(self._timeout)
+                    raise CollectiveTimeout(
+                        op, 0, t if t is not None else float("nan"), [], self._rank, self._size,
+                        f"timed out waiting for the other ranks: the group's first collective on {dev} creates "
+                        f"its communicator on every rank together, and not every rank reached this {op} "
+                        f"(store: {e})") from e
                 self._comms[key] = c
         return c
 
-    def _comm(self, t: Any, name: str) -> Communicator:
+    def _comm(self, t: Any, name: str, op: str = "collective") -> Communicator:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         dev = t.device
         if dev.type not in ("cpu", "cuda", "xpu"):
             raise ValueError(f"{name}: the streamcoll backend supports cpu, cuda and xpu tensors, got {dev}")
         self._last_device = dev
-        return self.communicator(dev)
+        return self.communicator(dev, op)
 
     @staticmethod
     def _one(tensors: Any, name: str) -> torch.Tensor:
@@ -240,7 +276,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
             dev = torch.device("cuda", ids[0])
         else:  # the device of the last collective (a barrier orders after it), else cpu
             dev = self._last_device or torch.device("cpu")
-        c = self.communicator(dev)
+        c = self.communicator(dev, "barrier")
         return self._work(c.barrier(self._async(opts)), [], "barrier")
 
     # -- coalescing (torch's _coalescing_manager with a device) -------------
@@ -280,7 +316,6 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
     _end_coalescing = end_coalescing
 
     # -- what streamcoll does not implement ----------------------------------
-    allgather_coalesced = _not_implemented("allgather_coalesced")
     recv_anysource = _not_implemented("recv_anysource")
     monitored_barrier = _not_implemented("monitored_barrier")
     split_group = _not_implemented("split_group")
@@ -343,7 +378,7 @@ def _pg_source(s: Any) -> List[str]:
         dev, label = first.name, (f"{src_name}[0]" if mm else src_name)
     else:
         dev, label = f"{first.name}[0]", f"{src_name}[0]"
-    lines.append(f"    c = self._comm({dev}, {label!r})")
+    lines.append(f"    c = self._comm({dev}, {label!r}, {s.pg[0]!r})")
     outs = " + ".join(f"[{p.name}]" if p.kind == "tensor" else f"list({p.name} or [])"
                       for p in s.buffers if p.mutable or s.async_mode == "always") or "[]"
     args = ", ".join(p.name for p in s.params if p.name in m)

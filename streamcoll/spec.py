@@ -511,6 +511,50 @@ def _plan_all_gather(cx: Any, tensor_list: Any, tensor: Any) -> Plan:
 
 
 @collective(
+    name="all_gather_coalesced",
+    params=(_T("output_tensor_lists", ANY, role="out", compare=None),
+            _T("input_tensor_list", TENSOR_LIST, role="in")),
+    doc="Gather every rank's ``input_tensor_list``: ``output_tensor_lists[r][i]`` receives rank r's "
+        "``input_tensor_list[i]`` (one all_gather per input, all in one group launch, then an unpack).",
+    c={},
+    pg=('allgather_coalesced',), pg_params='output_lists, input_list, opts=None',
+    pg_map={'output_tensor_lists': 'output_lists', 'input_tensor_list': "_nonempty(input_list, 'input_list')"},
+)
+def _plan_all_gather_coalesced(cx: Any, output_tensor_lists: Any, input_tensor_list: Any) -> Plan:
+    if not isinstance(input_tensor_list, (list, tuple)) or not input_tensor_list:
+        raise ValueError("input_tensor_list: expected a non-empty list of tensors")
+    ins = [cx.t(x, f"input_tensor_list[{i}]") for i, x in enumerate(input_tensor_list)]
+    lists = cx.tensor_list(output_tensor_lists, "output_tensor_lists")
+    outs: List[List[Any]] = []
+    for r, lst in enumerate(lists):
+        name = f"output_tensor_lists[{r}]"
+        if not isinstance(lst, (list, tuple)) or len(lst) != len(ins):
+            got = len(lst) if isinstance(lst, (list, tuple)) else type(lst).__name__
+            raise ValueError(f"{name}: expected a list of {len(ins)} tensors (one per input), got {got}")
+        row = [cx.t(o, f"{name}[{i}]") for i, o in enumerate(lst)]
+        for i, (o, x) in enumerate(zip(row, ins)):
+            cx.same_dtype(x, o, f"input_tensor_list[{i}]", f"{name}[{i}]")
+            if o.numel() != x.numel():
+                raise ValueError(f"{name}[{i}]: expected {x.numel()} elements like input_tensor_list[{i}], "
+                                 f"got {o.numel()}")
+        outs.append(row)
+    ag = TABLE["all_gather_into_tensor"]
+    flats = [x.new_empty((cx.size * x.numel(),)) for x in ins]
+    plans = [cx.native(ag, {"output_tensor": f, "input_tensor": x}, names={"input_tensor": f"input_tensor_list[{i}]"},
+                       opname="all_gather_coalesced") for i, (f, x) in enumerate(zip(flats, ins))]
+    fn, args = cx.group([(p.fn, p.args, p.cname) for p in plans])
+
+    def post() -> None:
+        for i, (f, x) in enumerate(zip(flats, ins)):
+            n = x.numel()
+            for r in range(len(outs)):
+                outs[r][i].view(-1).copy_(f[r * n:(r + 1) * n])
+
+    flat_outs = tuple(o for row in outs for o in row)
+    return Plan(fn, args, post, (*ins, *flats, *flat_outs), flat_outs, "all_gather_coalesced")
+
+
+@collective(
     name="reduce_scatter_tensor", aliases=("_reduce_scatter_base",),
     params=(_T("output", TENSOR, role="out"), _T("input", TENSOR, role="in"), _T("op", OP, _SUMOP)),
     doc="Reduce ``input`` across ranks and leave block ``rank`` of the result in ``output``.",

@@ -32,12 +32,15 @@ def as_tensor(t: Any, name: str, device: torch.device, dev_type: str, dev_index:
             except TypeError as e:
                 raise TypeError(f"{name}: numpy dtype {t.dtype} has no torch equivalent ({e})") from None
         raise TypeError(f"{name}: expected a torch.Tensor (or numpy.ndarray on the CPU), got {type(t).__name__}")
+    if t.layout is not torch.strided:
+        # before the contiguity check, which would call a COO tensor "not
+        # contiguous" and raises for CSR; the libraries take dense buffers only
+        raise TypeError(f"{name}: sparse tensors are not supported (layout {t.layout}); "
+                        "pass a dense tensor (t.to_dense())")
     if t.device.type != dev_type or (dev_index is not None and t.device.index != dev_index):
         raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor, got shape {tuple(t.shape)} with strides {t.stride()}")
-    if t.is_sparse if hasattr(t, "is_sparse") else False:
-        raise ValueError(f"{name}: sparse tensors are not supported")
     return t
 
 

@@ -27,7 +27,7 @@ def _seconds(timeout: Any) -> float:
     from .communicator import _seconds as seconds  # the one check of timeout arguments
     return seconds(timeout)
 
-__all__ = ["Work", "Reaper"]
+__all__ = ["Work", "PostedWork", "Reaper"]
 
 
 class Reaper:
@@ -240,3 +240,84 @@ class Work:
     def __repr__(self) -> str:
         state = "completed" if self.is_completed() else "pending"
         return f"<streamcoll.Work {self.op} seq={self.seq} {state}>"
+
+
+class PostedWork(Work):
+    """Handle of a posted point-to-point op (``isend``, ``irecv``,
+    ``batch_isend_irecv``) that has not been launched yet.
+
+    Why posted, not launched: torch's semantics are that posted p2p ops
+    progress independently until waited, so both ranks may ``irecv`` and then
+    ``isend``. Launched one by one, the first call (a receive) occupies the
+    comm stream (CPU: the comm thread) and the send behind it never starts:
+    both ranks deadlock. Instead the communicator collects posted ops and
+    launches all of them as one group (GroupStart/GroupEnd, in which the
+    library progresses them together) the moment any of them is waited on or
+    queried, or another operation is issued on the communicator (see
+    ``Communicator._flush_posted``). No thread per op.
+
+    Until then ``seq`` is 0; afterwards every method is the group's Work's.
+    """
+
+    __slots__ = ("_group", "_exc")
+
+    def __init__(self, comm: Any, op: str, outputs: Any) -> None:
+        super().__init__(comm, comm._rt, None, None, 0, op, outputs, None)
+        self._group: Optional[Work] = None
+        self._exc: Optional[BaseException] = None
+
+    def _launched(self) -> Optional[Work]:
+        """The group Work this op went out with (launching the posted ops
+        now if they have not been); None if launching failed (``_exc``)."""
+        g = self._group
+        if g is None and self._exc is None:
+            self._comm._flush_posted()
+            g = self._group
+        return g
+
+    @property
+    def posted(self) -> bool:
+        """True while the op waits to be launched with the others posted."""
+        return self._group is None and self._exc is None
+
+    def is_completed(self) -> bool:
+        g = self._launched()
+        return True if g is None else g.is_completed()
+
+    def is_success(self) -> bool:
+        g = self._launched()
+        return False if g is None else g.is_success()
+
+    def exception(self) -> Optional[BaseException]:
+        g = self._launched()
+        return self._exc if g is None else g.exception()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        g = self._launched()
+        if g is None:
+            raise self._exc  # type: ignore[misc]
+        return g.wait(timeout)
+
+    def synchronize(self, timeout: Optional[float] = None) -> None:
+        g = self._launched()
+        if g is None:
+            raise self._exc  # type: ignore[misc]
+        g.synchronize(timeout)
+
+    def get_future(self) -> torch.futures.Future:
+        fut = self._future
+        if fut is None:
+            g = self._launched()
+            if g is None:
+                fut = torch.futures.Future()
+                fut.set_exception(self._exc)  # type: ignore[arg-type]
+            else:
+                outs = list(self._outputs)
+                fut = g.get_future().then(lambda f: (f.value(), outs)[1])
+            self._future = fut
+        return fut
+
+    def __repr__(self) -> str:
+        if self.posted:
+            return f"<streamcoll.Work {self.op} posted>"
+        return f"<streamcoll.Work {self.op} seq={self.seq} {'completed' if self.is_completed() else 'pending'}>"

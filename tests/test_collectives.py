@@ -3,6 +3,8 @@ closed-form expected values. Each worker function runs many checks in one
 round trip (spawning ranks costs seconds here)."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -253,6 +255,108 @@ def w_p2p(comm):
     return True
 
 
+def w_p2p_posted_any_order(comm):
+    """torch's semantics: posted irecv/isend progress independently until
+    waited, whatever order they are posted and waited in."""
+    size, rank = comm.size, comm.rank
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    # every rank posts its receive first, then its send; waits the receive first
+    a = torch.full((3,), float(rank + 1))
+    b = torch.zeros(3)
+    wr = streamcoll.irecv(b, prv)
+    ws = streamcoll.isend(a, nxt)
+    assert "posted" in repr(wr)
+    wr.wait()
+    ws.wait()
+    _close(b, torch.full((3,), float(prv + 1)), "irecv before isend")
+    # polling is_completed launches them too (a poll loop must terminate)
+    b2 = torch.zeros(3)
+    ws2, wr2 = streamcoll.irecv(b2, prv), streamcoll.isend(a * 2, nxt)
+    deadline = time.monotonic() + 30
+    while not (ws2.is_completed() and wr2.is_completed()):
+        assert time.monotonic() < deadline, "posted p2p ops never completed"
+        time.sleep(0.001)
+    _close(b2, torch.full((3,), float(2 * (prv + 1))), "polled")
+    # a future (asking for it launches the posted ops) completes with the op's own outputs
+    b3 = torch.zeros(2)
+    wr3 = streamcoll.irecv(b3, prv)
+    ws3 = streamcoll.isend(torch.full((2,), 9.0), nxt)
+    f = wr3.get_future()
+    assert f.wait()[0] is b3 and b3.tolist() == [9.0, 9.0]
+    ws3.wait()
+    # a blocking recv after an isend posted to the same peer: one group, no deadlock
+    c = torch.zeros(4)
+    w = streamcoll.isend(torch.full((4,), float(rank)), nxt)
+    assert streamcoll.recv(c, prv) == prv
+    w.wait()
+    _close(c, torch.full((4,), float(prv)), "isend then blocking recv")
+    # another collective issued while p2p ops are posted launches them first
+    d = torch.zeros(1)
+    wr = streamcoll.irecv(d, prv)
+    ws = streamcoll.isend(torch.full((1,), float(rank)), nxt)
+    e = torch.ones(1)
+    streamcoll.all_reduce(e)
+    assert e.item() == size
+    wr.wait()
+    ws.wait()
+    _close(d, torch.full((1,), float(prv)), "posted, then all_reduce")
+    # batch_isend_irecv posted together with isend/irecv
+    g1, g2 = torch.zeros(2), torch.zeros(2)
+    w1 = streamcoll.irecv(g1, prv)
+    ws = streamcoll.batch_isend_irecv([streamcoll.P2POp(streamcoll.irecv, g2, prv),
+                                       streamcoll.P2POp(streamcoll.isend, torch.full((2,), 5.0), nxt)])
+    w2 = streamcoll.isend(torch.full((2,), 4.0), nxt)
+    for w in ws + [w2, w1]:
+        w.wait()
+    # one group; a pair's messages match in posting order (sends 5 then 4)
+    assert (g1.tolist(), g2.tolist()) == ([5.0, 5.0], [4.0, 4.0])
+    # the fast paths are back once nothing is posted
+    assert comm.fast_path
+    streamcoll.barrier()
+    return True
+
+
+def w_bf16_accuracy(comm):
+    """bf16 reductions against the exact (float64) result of the same bf16
+    inputs: what fraction of the elements differ from the correctly rounded
+    result, and the mean error relative to that of the correctly rounded
+    result (gloo's at 2 ranks: 0% and 1.0; oneCCL's own bf16 reduction here
+    truncates: 27% and 1.44)."""
+    size, rank = comm.size, comm.rank
+    n = 1 << 14
+    scale = torch.logspace(-2, 2, n, dtype=torch.float64)
+    xs = [(torch.randn(n, generator=torch.Generator().manual_seed(11 + r), dtype=torch.float64) * scale)
+          .to(torch.bfloat16) for r in range(size)]
+    exact = sum(x.double() for x in xs)
+    res = {}
+
+    def score(name, got, want):
+        rounded = want.to(torch.bfloat16)
+        err = (got.double() - want).abs().mean().item()
+        best = (rounded.double() - want).abs().mean().item()
+        res[name] = ((got != rounded).double().mean().item(), err / best)
+
+    for op, want in (("SUM", exact), ("AVG", exact / size), ("PREMUL", exact * 0.5)):
+        rop = streamcoll.premul_sum(0.5) if op == "PREMUL" else ReduceOp[op]
+        t = xs[rank].clone()
+        streamcoll.all_reduce(t, op=rop)
+        score(f"all_reduce {op}", t, want)
+    t = xs[rank].clone()
+    streamcoll.reduce(t, dst=size - 1)
+    if rank == size - 1:
+        score("reduce SUM", t, exact)
+    else:
+        assert torch.equal(t, xs[rank]), "reduce changed a non-root's tensor"
+    out = torch.empty(n // size, dtype=torch.bfloat16)
+    streamcoll.reduce_scatter_tensor(out, xs[rank][: n // size * size].clone(), op=ReduceOp.AVG)
+    k = n // size
+    score("reduce_scatter_tensor AVG", out, (exact / size)[rank * k:(rank + 1) * k])
+    w = streamcoll.all_reduce(t2 := xs[rank].clone(), async_op=True)
+    w.wait()
+    score("all_reduce SUM async", t2, exact)
+    return res
+
+
 def w_split(comm):
     size, rank = comm.size, comm.rank
     color = rank % 2
@@ -405,6 +509,17 @@ def test_all_to_all_even_uneven_lists(world, async_op):
 
 def test_point_to_point(world):
     assert world.run(w_p2p) == [True] * world.size
+
+
+def test_p2p_posted_any_order(world):
+    assert world.run(w_p2p_posted_any_order, timeout=60) == [True] * world.size
+
+
+def test_bf16_reductions_at_least_as_accurate_as_gloo(world):
+    for r, res in enumerate(world.run(w_bf16_accuracy, timeout=60)):
+        for name, (differ, rel_err) in res.items():
+            # correctly rounded (gloo at 2 ranks) up to rare double roundings
+            assert differ <= 0.001 and rel_err <= 1.01, (r, name, differ, rel_err)
 
 
 def test_split(world):

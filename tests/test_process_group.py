@@ -7,6 +7,7 @@ free loopback port chosen in the parent, and destroys it at the end.
 """
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import pytest
@@ -127,18 +128,77 @@ def _collectives(comm, port):
 
         errors = []
         for call in (lambda: dist.recv(torch.empty(1)),                 # any source
-                     lambda: pg.monitored_barrier(timedelta(seconds=5)),
-                     lambda: pg.allgather_coalesced([[torch.empty(1)]], [torch.empty(1)])):
+                     lambda: pg.monitored_barrier(timedelta(seconds=5))):
             try:
                 call()
                 errors.append(None)
             except NotImplementedError as e:
                 errors.append(str(e))
         out["not_implemented"] = errors
+
+        # all_gather_coalesced: one group launch of one all_gather per input
+        ins = [torch.full((2, 2), float(r + 1)), torch.full((1,), float(10 * r)),
+               torch.arange(3, dtype=torch.float32) + r]
+        outs = [[torch.empty_like(x) for x in ins] for _ in range(n)]
+        seq = pg.communicator("cpu").seq
+        dist.all_gather_coalesced(outs, ins)
+        out["all_gather_coalesced"] = [[x.tolist() for x in row] for row in outs]
+        out["all_gather_coalesced_launches"] = pg.communicator("cpu").seq - seq
+        try:
+            dist.all_reduce(torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,)))
+            out["sparse"] = None
+        except TypeError as e:
+            out["sparse"] = str(e)
+
+        # a barrier a rank never reaches: the first collective of a group
+        # creates its communicator (through the store) and times out
+        g = dist.new_group(backend="streamcoll", timeout=timedelta(seconds=3))
+        if r == 0:
+            t0 = time.monotonic()
+            try:
+                dist.barrier(group=g)
+                out["barrier_timeout"] = None
+            except Exception as e:  # noqa: BLE001 - the type is asserted in the parent
+                out["barrier_timeout"] = (type(e).__name__, str(e), time.monotonic() - t0)
+        dist.destroy_process_group(g)
+        dist.barrier()
         try:
             dist.all_reduce(torch.ones(2, device="meta"))
         except (ValueError, RuntimeError) as e:
             out["meta"] = str(e)
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def _p2p_torch(comm, backend: str, port: int):
+    """torch's p2p API on ``backend``: irecv before isend on every rank,
+    batch_isend_irecv (torch hands a Python group its ops one by one), and
+    a non-zero tag."""
+    r, n = comm.rank, comm.size
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    _init(backend, port, r, n)
+    out = {}
+    try:
+        b = torch.zeros(3)
+        t0 = time.monotonic()
+        wr = dist.irecv(b, prv)
+        ws = dist.isend(torch.full((3,), float(r)), nxt)
+        wr.wait()
+        ws.wait()
+        out["irecv_first"] = (b.tolist(), time.monotonic() - t0)
+        got = torch.zeros(2)
+        ops = [dist.P2POp(dist.irecv, got, prv), dist.P2POp(dist.isend, torch.full((2,), float(10 + r)), nxt)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        out["batch"] = got.tolist()
+        if backend == "streamcoll":
+            try:
+                dist.send(torch.ones(1), nxt, tag=1)
+                out["tag"] = None
+            except ValueError as e:
+                out["tag"] = str(e)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return out
@@ -215,8 +275,26 @@ def test_collectives_through_torch_distributed(w2):
         ni = out["not_implemented"]
         assert ni[0] is not None and "recv_anysource" in ni[0]
         assert ni[1] is not None and "monitored_barrier" in ni[1]
-        assert ni[2] is not None and "allgather_coalesced" in ni[2]
+        assert out["all_gather_coalesced"] == [
+            [[[float(k + 1)] * 2] * 2, [float(10 * k)], [float(k + j) for j in range(3)]] for k in range(n)]
+        assert out["all_gather_coalesced_launches"] == 1
+        assert "tensor" in out["sparse"] and "sparse tensors are not supported" in out["sparse"]
+        if r == 0:
+            kind, msg, took = out["barrier_timeout"]
+            assert kind == "CollectiveTimeout" and "barrier" in msg and "timed out" in msg, msg
+            assert "store:" in msg  # the store's detail is kept, after the explanation
+            assert took < 30
         assert "cpu, cuda and xpu" in out["meta"]
+
+
+def test_p2p_any_order_like_gloo(w2):
+    gloo = w2.run(_p2p_torch, "gloo", free_port(), timeout=60)
+    sc = w2.run(_p2p_torch, "streamcoll", free_port(), timeout=60)
+    for r in range(2):
+        prv = (r - 1) % 2
+        assert sc[r]["irecv_first"][0] == gloo[r]["irecv_first"][0] == [float(prv)] * 3
+        assert sc[r]["batch"] == gloo[r]["batch"] == [float(10 + prv)] * 2
+        assert "tag" in sc[r]["tag"] and "not supported" in sc[r]["tag"]
 
 
 # Tolerance: with 2 ranks both backends compute each averaged gradient as
