@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Iterator, List, Optional, Union
+from typing import Any, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -79,7 +79,7 @@ def _native_entry(backend: str) -> Iterator[None]:
         yield
 
 
-def _store_address() -> tuple:
+def _store_address() -> Tuple[str, int]:
     addr = os.environ.get("MASTER_ADDR", "")
     try:
         port = int(os.environ.get("MASTER_PORT", "-1"))
@@ -301,7 +301,7 @@ def new_communicator(
         raise TypeError(f"backend: expected 'nccl', 'oneccl' or None, got {backend!r}")
     if store is None:
         _check_world_size(world_size)
-    local_rank = _env_int("LOCAL_RANK", rank)
+    local_rank = _env_int("LOCAL_RANK", rank) or 0
     if device is None:
         device = _default_device(backend.lower() if backend else None, local_rank)
     try:
@@ -343,7 +343,7 @@ def new_communicator(
     if rank == 0:
         with _native_entry(b.name):
             uid = b.unique_id()
-        pstore.set("uid", uid)
+        pstore.set("uid", uid)  # type: ignore[arg-type]  # torch stores take bytes too
     else:
         uid = _wait_uid(pstore, rank, t, topo)
     advertised = topology.advertised_address(b.name, bytes(uid))

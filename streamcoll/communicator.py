@@ -239,6 +239,7 @@ class Communicator(CollectiveMethods):
         self._rc_hooks: List[Callable[[str, int], bool]] = []
         self._debug: Any = None
         self.nonblocking = False  # NCCL config blocking=0 (set by watchdog.make_nonblocking)
+        self.topology: Any = None  # which ranks share a host (set by bootstrap; streamcoll.topology)
         stream_ctype = "cudaStream_t" if backend.name == "nccl" else "void *"
         cast = ffi.cast
         hcache: Dict[Any, Any] = {None: ffi.NULL, 0: cast(stream_ctype, 0)}

@@ -319,6 +319,8 @@ class GradientSync:
     def _rebuild(self) -> None:
         """Once, after the first step: buckets in the ready order rank 0 saw."""
         order, self._order = self._order, None
+        if order is None:  # rebuilt once, after the first step recorded the order
+            raise RuntimeError("GradientSync: no ready order was recorded before the rebuild")
         seen = set(order)
         order = order + [i for i in range(len(self._params))[::-1] if i not in seen]
         t = torch.tensor(order, dtype=torch.int64, device=self._comm.device)

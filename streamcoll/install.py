@@ -304,7 +304,7 @@ def install_runtime(home: Optional[os.PathLike] = None, libfabric: str = "auto",
     say("4/4 checking it: a fresh interpreter loads it and all-reduces on a one-rank communicator")
     rt.verified = _verify(root, python)
     say(f"    ok: oneCCL {rt.verified['version']} from {rt.verified['path']}, libfabric "
-        f"{', '.join(rt.verified['libfabric']) or '(not mapped)'}")
+        f"{', '.join(rt.verified['libfabric']) or '(not mapped)'}")  # type: ignore[arg-type]
     return rt
 
 

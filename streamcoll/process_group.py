@@ -26,6 +26,7 @@ streamcoll does not implement raise NotImplementedError naming them.
 """
 from __future__ import annotations
 
+import functools
 import linecache
 import re
 import threading
@@ -123,7 +124,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
     """torch.distributed ProcessGroup running on streamcoll Communicators."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout: Optional[timedelta] = None) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # torch's stub lacks this overload
         self._store = store
         self._rank = rank
         self._size = size
@@ -149,10 +150,10 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         if not isinstance(name, str):
             raise TypeError(f"name: expected a str, got {type(name).__name__}")
         self._group_name = name
-        super()._set_group_name(name)
+        super()._set_group_name(name)  # type: ignore[arg-type]  # GroupName is a str
 
     @property
-    def group_name(self) -> str:
+    def group_name(self) -> str:  # type: ignore[override]  # torch types it GroupName, a str
         """The name torch registered this group under (``_set_group_name``)."""
         if self._group_name is None:
             raise RuntimeError("ProcessGroup name not set: this streamcoll process group was not created by "
@@ -240,7 +241,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         c = self._comm(tensors[0], "tensors[0]")
         return self._grouped(c, "allreduce_coalesced", list(tensors), opts,
-                             [(lambda t=t: c.all_reduce(t, op)) for t in tensors])
+                             [functools.partial(c.all_reduce, t, op) for t in tensors])
 
     def all_gather_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                     opts: Any = None) -> StreamcollWork:
@@ -249,9 +250,9 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
             return self._work(None, [], "all_gather_single_coalesced")
         c = self._comm(inputs[0], "inputs[0]")
         return self._grouped(c, "all_gather_single_coalesced", list(outputs), opts,
-                             [(lambda o=o, i=i: c.all_gather_into_tensor(o, i)) for o, i in zip(outputs, inputs)])
+                             [functools.partial(c.all_gather_into_tensor, o, i) for o, i in zip(outputs, inputs)])
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
 
     def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                         opts: Any = None) -> StreamcollWork:
@@ -261,12 +262,9 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         c = self._comm(inputs[0], "inputs[0]")
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         return self._grouped(c, "reduce_scatter_single_coalesced", list(outputs), opts,
-                             [(lambda o=o, i=i: c.reduce_scatter_tensor(o, i, op)) for o, i in zip(outputs, inputs)])
+                             [functools.partial(c.reduce_scatter_tensor, o, i, op) for o, i in zip(outputs, inputs)])
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
-
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
     def barrier(self, opts: Any = None) -> StreamcollWork:
         """A barrier on the communicator of ``opts.device_ids[0]`` (CUDA), else of

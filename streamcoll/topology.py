@@ -189,11 +189,11 @@ def route_to(target: str, port: int = 9) -> Route:
     if not infos:
         return Route(target, None, None, None, "cannot resolve: no address")
     family, _, _, _, sockaddr = infos[0]  # the first, as a TCP client would try it
-    remote = sockaddr[0]
+    remote = str(sockaddr[0])
     try:
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect(sockaddr)
-            local = s.getsockname()[0]
+            local = str(s.getsockname()[0])
     except OSError as e:
         return Route(target, remote, None, None, f"no route to {remote}: {e}")
     iface = interface_of(local)
@@ -307,7 +307,7 @@ class Topology:
     @property
     def machine_cores(self) -> int:
         """Cores the ranks on this machine may run on together (union of affinities)."""
-        cpus = set()
+        cpus: set = set()
         for r in self.machine_ranks:
             cpus.update(self.facts[r].cpus)
         return max(len(cpus), 1)

@@ -50,3 +50,12 @@ def test_user_code_type_checks_with_the_overloads(tmp_path):
                         "--no-error-summary", str(f)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     mine = [line for line in p.stdout.splitlines() if line.startswith(str(f))]
     assert mine == [f'{f}:16: note: Revealed type is "None"'], p.stdout[-3000:]
+
+
+def test_the_package_type_checks(tmp_path):
+    """``mypy streamcoll`` is clean (py.typed ships: users' checkers read this code)."""
+    pytest.importorskip("mypy")
+    p = subprocess.run([sys.executable, "-m", "mypy", "streamcoll", "--ignore-missing-imports",
+                        "--cache-dir", str(tmp_path / "cache")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0 and "Success: no issues found" in p.stdout, p.stdout[-5000:]
