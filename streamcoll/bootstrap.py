@@ -319,10 +319,15 @@ def new_communicator(
 
     if store is None:
         store = _get_store(rank, world_size, t)
+    import torch.distributed as dist
+    # The communicator's namespace in the store: numbered through the store
+    # itself (every rank adds 1; the k-th communicator of this name gets k),
+    # not by a counter of this process, which differs between ranks whose
+    # processes made different communicators before (a worker pool, a failed
+    # init on one rank) and would put the ranks in different namespaces.
     with _LOCK:
         _COUNTER += 1
-        n = _COUNTER
-    import torch.distributed as dist
+        n = (int(store.add(f"streamcoll/{name or 'comm'}/made", 1)) - 1) // world_size + 1
     prefix = f"streamcoll/{name or 'comm'}/{n}/"
     pstore = dist.PrefixStore(prefix, store)
     pstore.set_timeout(timedelta(seconds=t))

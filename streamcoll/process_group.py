@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from . import spec
 from .communicator import Communicator
-from .errors import CollectiveTimeout
+from .errors import CollectiveTimeout, RendezvousError
 
 __all__ = ["ProcessGroupStreamcoll", "StreamcollWork", "create_process_group", "register_backend", "BACKEND_NAME"]
 
@@ -184,8 +184,9 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
                 try:
                     c = new_communicator(device=dev, timeout=self._timeout, store=store, rank=self._rank,
                                          world_size=self._size, name=f"pg{label}-{dev.type}")
-                except dist.DistStoreError as e:
-                    if "imeout" not in str(e):
+                except (dist.DistStoreError, RendezvousError) as e:
+                    # the store timing out, or the rendezvous naming the ranks that never came
+                    if isinstance(e, dist.DistStoreError) and "imeout" not in str(e):
                         raise
                     t = _seconds(self._timeout)
                     raise CollectiveTimeout(
