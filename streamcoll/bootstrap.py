@@ -32,7 +32,6 @@ __all__ = ["init", "new_communicator", "is_initialized", "get_rank", "get_world_
 
 _DEFAULT: Optional[Communicator] = None
 _STORE: Any = None
-_COUNTER = 0
 _LOCK = threading.Lock()
 LOG = logging.getLogger("streamcoll")
 
@@ -287,7 +286,6 @@ def new_communicator(
     ``store`` is any torch.distributed Store; by default the one
     torch.distributed was initialised with, else the env:// rendezvous.
     """
-    global _COUNTER
     t = _seconds(timeout)
     if rank is None:
         rank = _env_int("RANK", 0)
@@ -326,7 +324,6 @@ def new_communicator(
     # processes made different communicators before (a worker pool, a failed
     # init on one rank) and would put the ranks in different namespaces.
     with _LOCK:
-        _COUNTER += 1
         n = (int(store.add(f"streamcoll/{name or 'comm'}/made", 1)) - 1) // world_size + 1
     prefix = f"streamcoll/{name or 'comm'}/{n}/"
     pstore = dist.PrefixStore(prefix, store)

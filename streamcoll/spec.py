@@ -29,7 +29,7 @@ A planner is the one function per collective that knows its semantics: it
 receives the communicator's :class:`PlanContext` and the arguments as
 declared, validates them (every check before any C call, so bad input raises
 on the calling rank and nothing is half issued) and returns a :class:`Plan`.
-Collectives the libraries have as one C call use :func:`native_planner`,
+Collectives the libraries have as one C call use ``PlanContext.native``,
 derived entirely from the declaration.
 """
 from __future__ import annotations
@@ -279,19 +279,6 @@ def c_roles(declarations: str, cname: str) -> Tuple[str, ...]:
 
 
 # ------------------------------------------------------------------ planners
-def native_planner(name: str) -> Callable[..., Plan]:
-    """The planner of a collective the library has as one C call, derived
-    from its declaration: buffers converted and checked, size relations
-    checked (messages from ``sizes``), the root checked, the reduction
-    mapped (with an emulation post-op where needed), and the C arguments put
-    in the header's order."""
-    def plan(cx: Any, *args: Any) -> Plan:
-        spec = TABLE[name]
-        return cx.native(spec, dict(zip(spec.param_names, args)))
-    plan.__name__ = f"plan_{name}"
-    return plan
-
-
 def _splits(cx: Any, splits: Any, t: Any, name: str, row: int) -> List[int]:
     size = cx.size
     if splits is None:

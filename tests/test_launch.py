@@ -77,20 +77,7 @@ def _comm(**kw):
                                        store=dist.HashStore(), **kw)
 
 
-def _frames(fn, *args) -> int:
-    fn(*args)
-    n = 0
-
-    def prof(frame, event, arg):
-        nonlocal n
-        if event == "call":
-            n += 1
-    sys.setprofile(prof)
-    try:
-        fn(*args)
-    finally:
-        sys.setprofile(None)
-    return n
+from streamcoll.bench.overhead import count_frames as _frames  # noqa: E402
 
 
 FAST_CALLS = {

@@ -526,8 +526,9 @@ if __name__ != "__main__":
         """A 2-rank NCCL init whose rank 1 never comes: polled, aborted, CollectiveTimeout."""
         import torch.distributed as dist
         store = dist.HashStore()
-        from streamcoll import bootstrap, topology
-        dist.PrefixStore(f"streamcoll/comm/{bootstrap._COUNTER + 1}/", store).set(
+        from streamcoll import topology
+        # a fresh store: the first communicator named "comm" on it has namespace 1 (numbered through the store)
+        dist.PrefixStore("streamcoll/comm/1/", store).set(
             topology.exchange_key(1), topology.local_facts(1).to_json())
         t0 = time.monotonic()
         with pytest.raises(streamcoll.CollectiveTimeout) as ei:

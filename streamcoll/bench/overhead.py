@@ -192,20 +192,25 @@ def frames(comm, t, name: str = "all_reduce") -> Dict[str, int]:
     o = t.clone()
     args = _ARGS[name](t, o)
     for label, fn in ((f"streamcoll.{name}", getattr(streamcoll, name)), (f"comm.{name}", getattr(comm, name))):
-        fn(*args)
-        n = 0
-
-        def prof(frame, event, arg):
-            nonlocal n
-            if event == "call":
-                n += 1
-        sys.setprofile(prof)
-        try:
-            fn(*args)
-        finally:
-            sys.setprofile(None)
-        counts[label] = n
+        counts[label] = count_frames(fn, *args)
     return counts
+
+
+def count_frames(fn: Callable[..., Any], *args: Any) -> int:
+    """Python frames one call of ``fn(*args)`` enters (after a warm-up call)."""
+    fn(*args)
+    n = 0
+
+    def prof(frame: Any, event: str, arg: Any) -> None:
+        nonlocal n
+        if event == "call":
+            n += 1
+    sys.setprofile(prof)
+    try:
+        fn(*args)
+    finally:
+        sys.setprofile(None)
+    return n
 
 
 def step_costs(t) -> Dict[str, float]:
