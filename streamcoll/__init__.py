@@ -49,6 +49,7 @@ from .errors import (
     CollectiveError,
     CollectiveTimeout,
     CommunicatorError,
+    CudaError,
     FunctionNotFoundError,
     LibraryError,
     LibraryNotFoundError,
@@ -77,7 +78,7 @@ __all__ = [
     "all_gather_coalesced", "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single", "all_to_all", "gather", "scatter",
     "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier",
     "GradientSync", "ProcessGroupStreamcoll",
-    "CollectiveError", "LibraryError", "NcclError", "OnecclError", "LibraryNotFoundError",
+    "CollectiveError", "LibraryError", "NcclError", "OnecclError", "CudaError", "LibraryNotFoundError",
     "FunctionNotFoundError", "CommunicatorError", "CollectiveTimeout", "MismatchError",
     "RendezvousError", "BackendUnavailableError", "UsageError", "NotSupportedError",
 ]

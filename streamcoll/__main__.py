@@ -105,7 +105,7 @@ def info(out: Optional[TextIO] = None) -> int:
     except Exception as e:  # pragma: no cover - torch is a dependency
         versions.append(f"torch: {type(e).__name__}: {e}")
     w("  " + ", ".join(versions) + "\n\n")
-    for name in ("oneccl", "nccl"):
+    for name in ("oneccl", "nccl", "cudart"):
         try:
             binding = importlib.import_module(f"streamcoll._ffi.{name}").binding
         except Exception as e:  # declarations missing or unparsable: report, exit 0

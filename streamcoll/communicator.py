@@ -42,6 +42,7 @@ import contextlib
 import itertools
 import linecache
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -53,6 +54,7 @@ import numpy as np
 import torch
 
 from . import debug as _debug
+from . import helper_threads
 from . import recorder as _flight
 from . import spec as _spec
 from ._methods import CollectiveMethods
@@ -65,6 +67,8 @@ from .plans import PlanContext
 from .spec import Plan
 from .streams import Lane, runtime_for
 from .work import REAPER, PostedWork, Work
+
+log = logging.getLogger("streamcoll")
 
 __all__ = ["Communicator", "P2POp", "LaunchRecord", "HookHandle", "communicator_by_id"]
 
@@ -185,6 +189,24 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+
+def _sync_events_for(comm: Any) -> Any:
+    """The completion events of a CUDA communicator's synchronous calls
+    (:mod:`streamcoll.sync_events`), or None: not CUDA, disabled with
+    ``STREAMCOLL_SYNC_EVENTS=0``, or no CUDA runtime to record them with (a
+    warning says so: the watchdog then cannot see a sync call hang)."""
+    if comm._device.type != "cuda":
+        return None
+    from .sync_events import SyncEvents, every
+    if every() == 0:
+        return None
+    try:
+        return SyncEvents(comm._flight.capacity, comm._rt.index)
+    except Exception as e:
+        log.warning("streamcoll: communicator %r records no completion events for synchronous calls (%s); the "
+                    "watchdog cannot see such calls hang without an asynchronous error", comm.name, e)
+        return None
+
 class Communicator(CollectiveMethods):
     """A communicator over ``size`` ranks on one device.
 
@@ -254,6 +276,7 @@ class Communicator(CollectiveMethods):
         self._lanes: Dict[Any, Lane] = {}
         self._cx = PlanContext(self)
         self._flight = _flight.attach(self)
+        self._sync_events = _sync_events_for(self)
         self._launch_sync = build_sync_launcher(self)
         self._fast: Dict[str, Callable[..., Any]] = {}
         for name_, s in _spec.TABLE.items():
@@ -463,6 +486,8 @@ class Communicator(CollectiveMethods):
                                  "destroy: queued asynchronous work did not finish; native communicator left allocated")
         handle, self._handle = self._handle, None
         self._lanes.clear()
+        if self._sync_events is not None:
+            self._sync_events.close()
         if handle is not None:
             self._backend.destroy(handle, finalize=False)
 
@@ -713,8 +738,10 @@ class Communicator(CollectiveMethods):
             # GPU: poll on a helper thread (the future completes when the GPU work has).
             def _poll(w: Work = work) -> None:
                 try:
-                    if self._dev_type == "cuda" and self._dev_index is not None:
-                        torch.cuda.set_device(self._dev_index)  # not a context on GPU 0 of every rank
+                    if self._dev_type == "cuda":
+                        # the communicator's GPU (not a context on GPU 0 of every rank), in
+                        # thread-local capture mode (not invalidating a user's graph capture)
+                        helper_threads.prepare(self._dev_index)
                     rt.synchronize(w._event, None)
                 except BaseException as e:  # the future must complete, or its waiters hang
                     fut = w._future

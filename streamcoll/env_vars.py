@@ -49,6 +49,12 @@ TABLE: Tuple[EnvVar, ...] = (
            "path to `libccl.so.2` or its folder (first in the search order)"),
     EnvVar("STREAMCOLL_NCCL_LIBRARY", "streamcoll", "",
            "path to `libnccl.so.2` or its folder (first in the search order)"),
+    EnvVar("STREAMCOLL_CUDART_LIBRARY", "streamcoll", "",
+           "path to `libcudart.so.<N>` or its folder (first in the search order; CUDA only: helper threads' "
+           "capture mode, sync completion events)"),
+    EnvVar("STREAMCOLL_SYNC_EVENTS", "streamcoll", "1",
+           "CUDA: record a completion event after every N-th synchronous collective, so the watchdog sees "
+           "one hang (`0`: none)"),
     EnvVar("STREAMCOLL_HOME", "streamcoll", "~/.cache/streamcoll",
            "where the runtime `scripts/setup.sh` assembles lives"),
     EnvVar("CCL_LOG_LEVEL", "applied", "error", "oneCCL prints errors only"),

@@ -31,6 +31,7 @@ __all__ = [
     "LibraryError",
     "NcclError",
     "OnecclError",
+    "CudaError",
     "LibraryNotFoundError",
     "FunctionNotFoundError",
     "CollectiveTimeout",
@@ -88,6 +89,11 @@ class LibraryError(CollectiveError):
 
 class NcclError(LibraryError):
     """An NCCL call failed."""
+
+
+class CudaError(LibraryError):
+    """A CUDA runtime call streamcoll makes itself failed (its helper threads'
+    capture mode, the completion events of synchronous GPU collectives)."""
 
 
 class OnecclError(LibraryError):

@@ -29,6 +29,7 @@ on the synchronous call path.
 from __future__ import annotations
 
 import linecache
+import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -43,7 +44,8 @@ _GENERATED: Dict[str, str] = {}
 # The synchronous strategy. Placeholders: {ready} (whether the call may run
 # inline now), {p2p} (count it as point to point), {name}, {keep} (the
 # tensors a watchdog message shows), {call} (the C call; returns the result
-# code), {cname}, {post}, {ret}, {not_ready} (what to do when it may not: the
+# code), {cname}, {post}, {record} (CUDA: the completion event of the call,
+# streamcoll.sync_events), {ret}, {not_ready} (what to do when it may not: the
 # general path queues it behind the async work, releasing the lock; a fast
 # path releases the lock and falls through to the general path).
 SYNC_TEMPLATE = """\
@@ -61,7 +63,7 @@ if {ready}:
         rc = {call}
         if rc:
             _comm._raise_rc({cname}, rc)
-{post}    except BaseException as x:
+{post}{record}    except BaseException as x:
         _fr.failed(seq, x)
         raise
     finally:
@@ -104,10 +106,24 @@ def generated_source(tag: str) -> str:
 
 def _namespace(comm: Any) -> Dict[str, Any]:
     fr = comm._flight
-    return {
+    ns = {
         "_comm": comm, "_fr": fr, "_ring": fr.ring, "_mask": fr.mask, "_lock": comm._rt.exec_lock,
         "_rt": comm._rt, "_Entry": FlightEntry, "_Tensor": torch.Tensor, "_strided": torch.strided,
+        "_now": time.monotonic_ns,
     }
+    if comm._sync_events is not None:
+        ns.update(comm._sync_events.namespace())
+    return ns
+
+
+def _record(comm: Any) -> str:
+    """The {record} part: a CUDA communicator with completion events puts
+    one on the entry of each synchronous call (``hs``: the int stream),
+    inline (:meth:`streamcoll.sync_events.SyncEvents.source`)."""
+    sev = comm._sync_events
+    if sev is None:
+        return ""
+    return _indent(sev.source(), 8)
 
 
 def build_sync_launcher(comm: Any) -> Callable[[str, Plan, Any], Any]:
@@ -122,12 +138,13 @@ def build_sync_launcher(comm: Any) -> Callable[[str, Plan, Any], Any]:
         not_ready = "return _queued(name, plan)"
     else:
         ready = "True"
-        head = ("    h = _rt.current_handle() if stream is None else _rt.native(_rt.stream_handle(stream))\n")
+        head = ("    hs = _rt.current_key() if stream is None else _rt.stream_handle(stream)\n"
+                "    h = _rt.native(hs)\n")
         post = "        if plan.post is not None:\n            _rt.run_post(plan.post, stream)\n"
         not_ready = "_lock.release()"
     body = SYNC_TEMPLATE.format(ready=ready, p2p="\n    if plan.p2p:\n        _comm._p2p += 1", name="name",
                                 keep="plan.keep", call="plan.fn(*plan.args, h)", cname="plan.cname",
-                                post=post, ret="None", not_ready=not_ready)
+                                post=post, record="" if cpu else _record(comm), ret="None", not_ready=not_ready)
     src = "def launch_sync(name, plan, stream):\n" + head + _indent(body, 4)
     return _compile(src, "launch_sync", ns, f"launch_sync/{comm._device.type}")
 
@@ -200,7 +217,9 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         ptr_of[b] = f"p{i}"
     vals = {"send": ptr_of.get(spec.send or "", ""), "recv": ptr_of.get(spec.recv or "", ""), "count": "n",
             "dtype": "d", "op": "r", "root": peer or "", "peer": peer or "", "comm": "_h",
-            "stream": "_native(_raw(_idx))" if gpu else "_null"}
+            "stream": "_native(hs)" if gpu else "_null"}
+    if gpu:
+        lines.append("hs = _raw(_idx)")
     call = "_f(" + ", ".join(vals[r] for r in roles) + ")"
     if gpu:
         ns["_idx"] = comm._rt.index
@@ -210,7 +229,8 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
     ret = {"src": peer}.get(spec.returns, "None")
     body = SYNC_TEMPLATE.format(ready="True" if gpu else "not _rt._pending",
                                 p2p="\n    _comm._p2p += 1" if spec.p2p else "",
-                                name=repr(spec.name), keep=keep, call=call, cname=repr(spec.name), post="", ret=ret,
+                                name=repr(spec.name), keep=keep, call=call, cname=repr(spec.name), post="",
+                                record=_record(comm) if gpu else "", ret=ret,
                                 not_ready="_lock.release()")
     sig = signature_text(spec)
     argnames = [a.split("=")[0] for a in sig.split(", ") if a != "*"]

@@ -169,7 +169,16 @@ class FlightRecorder:
                 return FAILED
             if e.seq > self.done:
                 return RUNNING
-            return LAUNCHED if comm._gpu else COMPLETED
+            if not comm._gpu:
+                return COMPLETED
+            ev = e.event  # a completion event (streamcoll.sync_events), if it got one
+            if ev is not None:
+                try:
+                    if ev.query():
+                        return COMPLETED
+                except Exception:
+                    pass
+            return LAUNCHED
         st = e.state
         if st == LAUNCHED and e.event is not None:
             try:

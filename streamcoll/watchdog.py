@@ -66,9 +66,9 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from . import flight
+from . import flight, helper_threads
 from .errors import CollectiveTimeout
 
 __all__ = ["EXIT_CODE", "register", "handle_timeout", "skip_native_teardown", "guard", "mode", "Watchdog",
@@ -256,26 +256,8 @@ class Watchdog:
                     fr.running_since = (running.seq, now)
                 elif (now - rs[1]) / 1e9 > comm.timeout:  # no Work to wait on: no grace
                     hung = (running, (now - rs[1]) / 1e9)
-            # Asynchronous work: running on the CPU comm thread, or GPU work whose event has not fired.
             if hung is None:
-                inflight = fr.inflight
-                cands = [inflight] if inflight is not None else []
-                if comm.is_gpu:
-                    cands += [e for e in fr.recent(last, SCAN) if not e.sync]
-                for e in cands:
-                    st = fr.state(comm, e)
-                    if st == flight.RUNNING:
-                        age = (now - (e.t_start or e.t_enq)) / 1e9
-                    elif st == flight.LAUNCHED and e.event is not None:
-                        age = (now - e.t_enq) / 1e9
-                    else:
-                        if st == flight.COMPLETED and e.state == flight.LAUNCHED:
-                            e.state = flight.COMPLETED  # no need to query it again
-                            e.event = None
-                        continue
-                    if age > limit:
-                        hung = (e, age)
-                        break
+                hung = overdue(comm, fr, watched(comm, fr, last), now, limit)
             if hung is not None:
                 self._fire(comm, *hung)
             elif comm.failure is None:
@@ -378,12 +360,12 @@ class Watchdog:
 
 def _use_device(index: Optional[int]) -> None:
     """The watchdog thread's CUDA calls go to the communicator's GPU (a
-    thread that never set a device makes a context on GPU 0: ~0.5 GiB each)."""
+    thread that never set a device makes a context on GPU 0: ~0.5 GiB each),
+    in thread-local capture mode (its event queries must not invalidate a
+    user's global-mode graph capture): :func:`streamcoll.helper_threads.prepare`."""
     if index is None:
         return
-    import torch
-    if torch.cuda.current_device() != index:
-        torch.cuda.set_device(index)
+    helper_threads.prepare(index)
 
 
 def _nccl_async_error(comm: Any) -> Optional[BaseException]:
@@ -402,6 +384,41 @@ def _nccl_async_error(comm: Any) -> Optional[BaseException]:
     if s == 0 or s == b.binding.const("ncclInProgress"):
         return None
     return b.binding.error("asynchronous error (ncclCommGetAsyncError)", s, comm._handle)
+
+
+def watched(comm: Any, fr: Any, last: int) -> List[Any]:
+    """The entries whose completion the watchdog checks: the async call
+    running on the CPU comm thread; on a GPU, the async entries among the
+    newest :data:`SCAN` and the synchronous ones that returned with a
+    completion event (:mod:`streamcoll.sync_events`): their kernels may still
+    run, or never finish."""
+    inflight = fr.inflight
+    cands = [inflight] if inflight is not None else []
+    if comm.is_gpu:
+        done = fr.done
+        cands += [e for e in fr.recent(last, SCAN)
+                  if not e.sync or (e.event is not None and e.seq <= done)]
+    return cands
+
+
+def overdue(comm: Any, fr: Any, cands: List[Any], now: int, limit: float) -> Optional[Tuple[Any, float]]:
+    """(entry, age in s) of the first of ``cands`` still unfinished after
+    ``limit`` seconds, or None. Async entries found completed let go of
+    their events (not queried again)."""
+    for e in cands:
+        st = fr.state(comm, e)
+        if st == flight.RUNNING:
+            age = (now - (e.t_start or e.t_enq)) / 1e9
+        elif st == flight.LAUNCHED and e.event is not None:
+            age = (now - e.t_enq) / 1e9
+        else:
+            if st == flight.COMPLETED and not e.sync and e.state == flight.LAUNCHED:
+                e.state = flight.COMPLETED  # no need to query it again
+                e.event = None
+            continue
+        if age > limit:
+            return e, age
+    return None
 
 
 def _running_sync(comm: Any, last: int) -> Any:

@@ -20,6 +20,7 @@ from typing import Any, List, Optional
 
 import torch
 
+from . import helper_threads
 from .errors import CollectiveTimeout, CommunicatorError
 
 
@@ -64,9 +65,10 @@ class Reaper:
                 if e[1] is None:
                     continue
                 try:
-                    if e[2] is not None and e[2] != _current_cuda_device():
-                        # this thread's queries go to the event's own GPU, not a new context on GPU 0
-                        torch.cuda.set_device(e[2])
+                    if e[2] is not None:
+                        # the event's own GPU (not a new context on GPU 0), and
+                        # thread-local capture mode (not invalidating a user's capture)
+                        helper_threads.prepare(e[2])
                     done = e[0].query()
                 except Exception:
                     # e.g. queried during a CUDA graph capture: unknown is not done;
@@ -84,10 +86,6 @@ class Reaper:
             time.sleep(self.interval)
             if self._entries:
                 self.reap()
-
-
-def _current_cuda_device() -> int:
-    return torch.cuda.current_device()
 
 
 REAPER = Reaper()

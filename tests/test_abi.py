@@ -27,13 +27,16 @@ import pytest
 
 from streamcoll._ffi import abi
 from streamcoll._ffi._common import read_declarations
+from streamcoll._ffi.cudart import CUDART
 from streamcoll._ffi.nccl import NCCL
 from streamcoll._ffi.oneccl import ONECCL
 
-BINDINGS = {"nccl": NCCL, "oneccl": ONECCL}
+BINDINGS = {"nccl": NCCL, "oneccl": ONECCL, "cudart": CUDART}
 # Version code of the header each _native/*.h was written from.
 DECLARED_CODE = {"nccl": 23203, "oneccl": 20220200}
-CASES = [("nccl", "c"), ("nccl", "c++"), ("oneccl", "c++")]
+CASES = [("nccl", "c"), ("nccl", "c++"), ("oneccl", "c++"), ("cudart", "c"), ("cudart", "c++")]
+# At least this many functions declared (a truncated file must not pass).
+MIN_FUNCS = {"nccl": 40, "oneccl": 40, "cudart": 10}
 
 
 def _required() -> bool:
@@ -78,7 +81,7 @@ def test_declarations_match_the_real_header(lib, lang):
     funcs = {k.split(" ", 1)[1] for k in decls if k.startswith("function ")}
     assert {it.key for it in plan.items if it.kind == "func"} == funcs
     assert {it.key for it in plan.items if it.kind == "enum"} == set(BINDINGS[lib].constants)
-    assert len(funcs) > 40
+    assert len(funcs) >= MIN_FUNCS[lib]
 
 
 @pytest.mark.parametrize("lib,lang", [("nccl", "c"), ("oneccl", "c++")])
@@ -88,6 +91,17 @@ def test_header_is_the_declared_version(lib, lang):
         f"the {lib} header found is version {measured['version header']}; streamcoll/_native/{lib}.h declares "
         f"{BINDINGS[lib].declared_version} ({DECLARED_CODE[lib]})"
     )
+
+
+def test_the_cuda_runtime_facts_streamcoll_relies_on():
+    """The CUDA runtime header (12.x or 13.x: the declared text is the same
+    in both) agrees on the values the helper threads and sync events use."""
+    _, _, cu = _real_check("cudart", "c")
+    assert 12000 <= cu["version header"] < 14000
+    assert cu["enum cudaSuccess"] == 0 and cu["enum cudaErrorNotReady"] == 600
+    assert cu["enum cudaStreamCaptureModeThreadLocal"] == 1
+    assert cu["enum cudaStreamCaptureStatusNone"] == 0
+    assert cu["func cudaThreadExchangeStreamCaptureMode"] == 1
 
 
 def test_the_facts_the_issue_names():

@@ -9,6 +9,7 @@ Skipped (with the reason) where there is no CUDA device.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -174,6 +175,66 @@ def test_sync_fast_path_enters_one_frame_on_cuda(comm):
         sys.setprofile(None)
     torch.cuda.synchronize()
     assert n == 1 and torch.all(x == 1.0)
+
+
+def test_sync_calls_carry_completion_events(comm):
+    """Issue 12 (6): a synchronous collective's flight entry holds a
+    completion event recorded after it on its stream (streamcoll.sync_events),
+    so the watchdog can tell a kernel that never finishes; a capture gets none."""
+    from streamcoll.sync_events import SlotEvent
+    x = torch.ones(1 << 20, device="cuda")
+    _sleep_then_fill(x, 1.0)  # the stream is busy for ~0.1 s
+    comm.all_reduce(x)
+    e = comm.flight.at(comm.seq)
+    assert isinstance(e.event, SlotEvent) and e.t_enq > 0
+    assert comm.flight.state(comm, e) == "launched"  # behind the sleep
+    torch.cuda.synchronize()
+    assert comm.flight.state(comm, e) == "completed" and torch.all(x == 1.0)
+    g = torch.cuda.CUDAGraph()
+    y = torch.ones(16, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        comm.all_reduce(y)  # warm up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        comm.all_reduce(y)
+        assert comm.flight.at(comm.seq).event is None  # a graph node: nothing to watch
+    g.replay()
+    torch.cuda.synchronize()
+
+
+def test_helper_thread_queries_do_not_invalidate_a_global_capture(comm):
+    """Issue 12 (3): the reaper polls a pending event every 2 ms while the
+    main thread captures a graph in torch's default global mode. Its thread
+    is in thread-local capture mode (streamcoll.helper_threads), so the
+    queries are allowed and the capture stays valid; before, the first query
+    invalidated it and capture_end raised."""
+    from streamcoll import helper_threads
+    from streamcoll.work import REAPER
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES * 10)  # ~1 s: the event stays pending through the capture
+        ev = torch.cuda.Event()
+        ev.record(side)
+    entry = REAPER.add(ev, [torch.empty(1, device="cuda")], 0)
+    time.sleep(0.05)  # the reaper thread is polling it
+    assert REAPER._thread is not None and REAPER._thread.is_alive()
+    inp = torch.ones(1024, device="cuda")
+    out = torch.zeros(1024, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):  # capture_error_mode="global", the default
+        out.copy_(inp * 2)
+        time.sleep(0.3)  # ~150 reaper queries of the pending event meanwhile
+    assert entry[1] is not None  # still pending: the tensors are still held
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.all(out == 2)
+    t0 = time.monotonic()
+    while entry[1] is not None and time.monotonic() - t0 < 5:
+        time.sleep(0.01)
+    assert entry[1] is None  # fired: released
+    assert helper_threads.thread_mode() is None  # the main thread was left alone
 
 
 def test_functional_ops_compile_with_a_communicator_group(comm):

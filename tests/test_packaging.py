@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-HEADERS = {"streamcoll/_native/nccl.h", "streamcoll/_native/oneccl.h"}
+HEADERS = {"streamcoll/_native/nccl.h", "streamcoll/_native/oneccl.h", "streamcoll/_native/cudart.h"}
 
 
 def copy_source_tree(dest: Path) -> Path:

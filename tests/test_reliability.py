@@ -563,5 +563,32 @@ if __name__ != "__main__":
             w.wait()
         assert any("all_reduce (sequence number 1)" in m for m in watchdog.WATCHDOG.fired)
 
+    @pytest.mark.cuda
+    def test_gpu_watchdog_sees_a_stuck_sync_call(monkeypatch):
+        """Issue 12 (6): a *synchronous* GPU collective whose kernel does not
+        finish within the timeout (the stream is held by a spinning kernel)
+        is reported through its completion event; before, its host call had
+        returned and nothing watched it."""
+        import torch
+        monkeypatch.setenv("STREAMCOLL_WATCHDOG", "fail")
+        monkeypatch.delenv("STREAMCOLL_NCCL_NONBLOCKING", raising=False)
+        monkeypatch.delenv("STREAMCOLL_SYNC_EVENTS", raising=False)
+        import torch.distributed as dist
+        c = streamcoll.new_communicator(backend="nccl", device="cuda:0", rank=0, world_size=1,
+                                        store=dist.HashStore(), timeout=1.0)
+        torch.cuda._sleep(int(torch.cuda.get_device_properties(0).clock_rate * 1000 * 6))  # ~6 s
+        t = torch.ones(16, device="cuda:0")
+        c.all_reduce(t)  # returns at once: enqueued behind the sleep
+        seq = c.seq
+        t0 = time.monotonic()
+        while c._failed is None and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+        torch.cuda.synchronize()
+        assert isinstance(c._failed, streamcoll.CollectiveTimeout), c._failed
+        assert 1.0 <= took <= 4.0, took
+        assert any(f"all_reduce (sequence number {seq})" in m and "sync (inline)" in m
+                   for m in watchdog.WATCHDOG.fired)
+
 else:
     SCENARIOS[sys.argv[1]]()

@@ -108,6 +108,9 @@ class Binding:
     last_error_symbol: str = ""
     min_versions: Dict[str, str] = {}
     error_class: type = Exception
+    # Enums declared by tag only (``enum X {...};`` with no typedef), whose
+    # enumerators :meth:`const` also knows.
+    named_enums: Tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self.ffi = cffi.FFI()
@@ -124,6 +127,8 @@ class Binding:
             t = self.ffi.typeof(tname)
             if t.kind == "enum":
                 self.constants.update(t.relements)
+        for tag in self.named_enums:
+            self.constants.update(self.ffi.typeof(tag).relements)
         self.result_names: Dict[int, str] = {}
         for n, v in enum_values(self.ffi, self.result_enum).items():
             self.result_names.setdefault(v, n)

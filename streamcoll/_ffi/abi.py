@@ -52,7 +52,8 @@ __all__ = [
 SOURCE = Path(__file__).resolve().parents[2] / "native" / "abi_check.c"
 
 # The header to include and its version macro, per library.
-_HEADER = {"nccl": ("<nccl.h>", "NCCL_VERSION_CODE"), "oneccl": ("<oneapi/ccl.h>", "ONECCL_VERSION_CODE")}
+_HEADER = {"nccl": ("<nccl.h>", "NCCL_VERSION_CODE"), "oneccl": ("<oneapi/ccl.h>", "ONECCL_VERSION_CODE"),
+           "cudart": ("<cuda_runtime_api.h>", "CUDART_VERSION")}
 
 
 class AbiCheckError(RuntimeError):
@@ -330,7 +331,8 @@ def _nccl_candidates() -> Tuple[List[Tuple[str, Path]], List[Tuple[str, List[Pat
 
 def find_headers(library: str, lang: Optional[str] = None) -> HeaderSet:
     """The include folders for ``library``'s real header ("nccl": ``nccl.h``
-    from the NCCL wheel plus CUDA's ``cuda_runtime.h``; "oneccl":
+    from the NCCL wheel plus CUDA's ``cuda_runtime.h``; "cudart":
+    ``cuda_runtime_api.h`` from a CUDA toolkit or the runtime wheel; "oneccl":
     ``oneapi/ccl.h`` from ``$CCL_ROOT``, streamcoll's runtime folder or a
     wheel prefix). Each candidate is verified by compiling the include."""
     header, macro = _HEADER[library]
@@ -339,6 +341,17 @@ def find_headers(library: str, lang: Optional[str] = None) -> HeaderSet:
     tried: List[str] = []
     if cc is None:
         tried.append(f"no {lang} compiler (gcc/g++, $CC/$CXX)")
+        return HeaderSet(library, [], header, macro, tried)
+    if library == "cudart":
+        for cdesc, cds in _nccl_candidates()[1]:
+            if not any((c / "cuda_runtime_api.h").is_file() for c in cds):
+                tried.append(f"cuda_runtime_api.h: {cdesc}: no such file")
+                continue
+            dirs = [str(c) for c in cds]
+            err = _compiles(cc, lang, dirs, header)
+            if not err:
+                return HeaderSet(library, dirs, header, macro, tried)
+            tried.append(f"{cdesc}: {err}")
         return HeaderSet(library, [], header, macro, tried)
     if library == "nccl":
         nccl, cuda = _nccl_candidates()

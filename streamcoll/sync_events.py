@@ -1,0 +1,188 @@
+"""Completion events of synchronous CUDA collectives, for the watchdog.
+
+A synchronous (``async_op=False``) GPU collective returns to the host as
+soon as NCCL has enqueued it; its flight entry then says nothing about
+whether the kernel ever finished. A kernel stuck on a dead peer with no
+asynchronous error (``ncclCommGetAsyncError`` stays clean while it waits) was
+invisible to the watchdog, and the process hung in the next
+``cudaStreamSynchronize`` with no report. PyTorch's ProcessGroupNCCL records
+events around every op; streamcoll records one completion event after every
+``STREAMCOLL_SYNC_EVENTS``-th synchronous CUDA collective (default 1: every
+one; 0: none) on the stream it ran on, and the watchdog declares the entry
+stuck once the event has not fired within the communicator's timeout.
+
+Cost: one ``cudaStreamIsCapturing`` and one ``cudaEventRecord`` through cffi
+(:mod:`streamcoll._ffi.cudart`), inline in the generated launcher (no Python
+frame), and no allocation: the events are created once per flight-ring slot
+and reused with the slot. A
+stream that is capturing a CUDA graph gets no event (the launch is a graph
+node, not work to watch). Any failure here only costs the op its event: the
+collective itself never fails because of it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Dict, List, Optional
+
+__all__ = ["SyncEvents", "every"]
+
+log = logging.getLogger("streamcoll")
+
+
+def every() -> int:
+    """``STREAMCOLL_SYNC_EVENTS``: record an event after every N-th
+    synchronous CUDA collective (default 1; 0 disables)."""
+    v = os.environ.get("STREAMCOLL_SYNC_EVENTS", "1")
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"STREAMCOLL_SYNC_EVENTS: expected an integer >= 0, got {v!r}") from None
+    if n < 0:
+        raise ValueError(f"STREAMCOLL_SYNC_EVENTS: expected an integer >= 0, got {n}")
+    return n
+
+
+class SlotEvent:
+    """A raw ``cudaEvent_t`` owned by one flight-ring slot; ``query()`` as
+    torch's Event (True once fired), raising CudaError on a CUDA error."""
+
+    __slots__ = ("handle", "_owner")
+
+    def __init__(self, handle: Any, owner: "SyncEvents") -> None:
+        self.handle = handle
+        self._owner = owner
+
+    def query(self) -> bool:
+        o = self._owner
+        if o.closed:
+            return True  # destroyed with its communicator: nothing left to watch
+        rc = o.lib.cudaEventQuery(self.handle)
+        if rc == 0:
+            return True
+        if rc == o.not_ready:
+            return False
+        raise o.binding.error("cudaEventQuery", rc)
+
+
+class SyncEvents:
+    """The completion events of one CUDA communicator's synchronous calls.
+
+    The launch path records them inline (:meth:`source`, placed in the
+    generated synchronous launchers of :mod:`streamcoll.launch`), so the
+    CUDA fast path still enters one Python frame: only C calls (cffi) run
+    per op, and Python methods only on the rare paths (the first call on a
+    stream, a slot's first event, a failure).
+    """
+
+    def __init__(self, ring_size: int, device_index: int, n: Optional[int] = None) -> None:
+        from ._ffi.cudart import CUDART, EVENT_DISABLE_TIMING
+
+        self.every = every() if n is None else n
+        self.binding = CUDART
+        self.lib = CUDART.lib()
+        self.ffi = CUDART.ffi
+        self.device_index = device_index
+        self.not_ready = CUDART.const("cudaErrorNotReady")
+        self._flags = EVENT_DISABLE_TIMING
+        self.mask = ring_size - 1
+        self.slots: List[Optional[SlotEvent]] = [None] * ring_size
+        self.streams: Dict[int, Any] = {}
+        self.status = self.ffi.new("enum cudaStreamCaptureStatus *")
+        self._new = self.ffi.new("cudaEvent_t *")
+        self.closed = False
+        self.failures = 0
+        self.created = 0
+
+    # -- what the launch path runs --------------------------------------------
+    def source(self) -> str:
+        """Statements (indented 0) that put the completion event of call
+        ``seq`` on its entry ``e``; ``hs`` is the int ``cudaStream_t`` it ran
+        on. Names they use: :meth:`namespace`."""
+        body = (
+            "cs = _sev_streams.get(hs)\n"
+            "if cs is None:\n"
+            "    cs = _sev.stream(hs)\n"
+            "if (rc2 := _sev_capturing(cs, _sev_status)) == 0 and _sev_status[0] == 0:\n"
+            "    ev = _sev_slots[seq & _sev_mask]\n"
+            "    if ev is None:\n"
+            "        ev = _sev.slot(seq)\n"
+            "    if ev is not None and (rc2 := _sev_record(ev.handle, cs)) == 0:\n"
+            "        e.event = ev\n"
+            "    else:\n"
+            "        e.event = _sev.failed('cudaEventRecord', rc2 if ev is not None else 0)\n"
+            "else:\n"
+            "    e.event = _sev.failed('cudaStreamIsCapturing', rc2)  # rc2 0: capturing, a graph node\n"
+            "e.t_enq = _now()\n"
+        )
+        if self.every == 1:
+            return body
+        return ("if seq % _sev_every:\n    e.event = None\nelse:\n"
+                + "".join("    " + ln + "\n" for ln in body.splitlines()))
+
+    def namespace(self) -> Dict[str, Any]:
+        lib = self.lib
+        return {"_sev": self, "_sev_streams": self.streams, "_sev_slots": self.slots, "_sev_mask": self.mask,
+                "_sev_status": self.status, "_sev_every": self.every,
+                "_sev_capturing": lib.cudaStreamIsCapturing, "_sev_record": lib.cudaEventRecord}
+
+    def recorder(self):  # type: ignore[no-untyped-def]
+        """``record(e, seq, hs)``: :meth:`source` as a function (the same
+        code the launchers inline; for tests and tools)."""
+        import time
+
+        ns = dict(self.namespace(), _now=time.monotonic_ns)
+        src = "def record(e, seq, hs):\n" + "".join("    " + ln + "\n" for ln in self.source().splitlines())
+        exec(compile(src, "<streamcoll sync events>", "exec"), ns)
+        return ns["record"]
+
+    # -- the rare paths ---------------------------------------------------------
+    def stream(self, hs: int) -> Any:
+        cs = self.streams[hs] = self.ffi.cast("cudaStream_t", hs)
+        return cs
+
+    def slot(self, seq: int) -> Optional[SlotEvent]:
+        """The event of ``seq``'s ring slot, created on first use (None if it cannot be)."""
+        try:
+            ev = self._create()
+        except Exception as e:
+            self._warn(e)
+            return None
+        self.slots[seq & self.mask] = ev
+        return ev
+
+    def _create(self) -> SlotEvent:
+        import torch
+
+        # An event belongs to the current device's context: create it on the communicator's.
+        with torch.cuda.device(self.device_index):
+            rc = self.lib.cudaEventCreateWithFlags(self._new, self._flags)
+        if rc:
+            raise self.binding.error("cudaEventCreateWithFlags", rc)
+        self.created += 1
+        return SlotEvent(self._new[0], self)
+
+    def failed(self, function: str, rc: int) -> None:
+        """The call gets no event: capturing (``rc`` 0), or ``function`` failed."""
+        if rc:
+            self._warn(self.binding.error(function, rc))
+        return None
+
+    def _warn(self, e: BaseException) -> None:
+        self.failures += 1
+        if self.failures == 1:
+            log.warning("streamcoll: no completion event for a synchronous CUDA collective (%s); the watchdog "
+                        "cannot see such calls hang without an asynchronous error", e)
+
+    def close(self) -> None:
+        """Destroy the events (pending ones are released by CUDA when they fire)."""
+        if self.closed:
+            return
+        self.closed = True
+        for i, ev in enumerate(self.slots):
+            self.slots[i] = None  # the list is shared with the launchers' namespaces
+            if ev is not None:
+                try:
+                    self.lib.cudaEventDestroy(ev.handle)
+                except Exception:
+                    pass

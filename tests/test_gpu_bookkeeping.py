@@ -1,0 +1,252 @@
+"""Issue 12, findings 3 and 6, on the CPU: the CUDA runtime binding the
+helper threads and the synchronous-op completion events use (against the
+real ``libcudart`` of the nvidia-cuda-runtime wheel: without a GPU driver its
+calls return ``cudaErrorInsufficientDriver``, which exercises the error
+path), and the watchdog's reading of sync entries with completion events
+(pure logic over a real FlightRecorder; the events are stand-ins with a
+``query()``). The GPU halves are in tests/test_cuda.py and
+tests/test_reliability.py (``cuda`` marker).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import threading
+import time
+import types
+
+import pytest
+
+import streamcoll
+from streamcoll import helper_threads, recorder, watchdog
+from streamcoll._ffi.cudart import CUDART
+
+_CI = any(os.environ.get(v, "") not in ("", "0", "false") for v in ("CI", "STREAMCOLL_REQUIRE_ABI"))
+
+
+def _need_cudart() -> None:
+    if not CUDART.is_available():
+        why = "no CUDA runtime found: " + "; ".join(CUDART.tried)
+        if _CI:
+            pytest.fail("CI installs nvidia-cuda-runtime-cu12 (scripts/setup.sh): " + why)
+        pytest.skip(why)
+
+
+def _gpu_driver() -> bool:
+    v = CUDART.ffi.new("int *")
+    return CUDART.lib().cudaDriverGetVersion(v) == 0 and v[0] > 0
+
+
+# ---- the binding ---------------------------------------------------------------
+def test_cudart_loads_the_real_runtime_and_its_errors_name_the_call():
+    _need_cudart()
+    assert CUDART.path and os.path.basename(CUDART.path).startswith("libcudart.so.")
+    major, _, _ = CUDART.split_version(CUDART.version())
+    assert major >= 12
+    assert CUDART.const("cudaStreamCaptureModeThreadLocal") == 1
+    assert CUDART.const("cudaErrorNotReady") == 600
+    if _gpu_driver():
+        assert helper_threads.set_thread_local_capture_mode() in (0, 1, 2)
+        return
+    with pytest.raises(streamcoll.CudaError) as ei:
+        helper_threads.set_thread_local_capture_mode()
+    e = ei.value
+    assert e.function == "cudaThreadExchangeStreamCaptureMode"
+    assert e.code_name == "cudaErrorInsufficientDriver" and e.code == 35
+    assert "driver" in str(e)
+    again = pickle.loads(pickle.dumps(e))
+    assert type(again) is streamcoll.CudaError and str(again) == str(e)
+
+
+def test_a_missing_runtime_is_one_aggregated_error(monkeypatch, tmp_path):
+    from streamcoll._ffi.cudart import _Cudart
+    b = _Cudart()
+    monkeypatch.setenv("STREAMCOLL_CUDART_LIBRARY", str(tmp_path / "libcudart.so.13"))
+    monkeypatch.setattr(b, "candidates", lambda: b._env_candidates())
+    with pytest.raises(streamcoll.LibraryNotFoundError) as ei:
+        b.lib()
+    assert "STREAMCOLL_CUDART_LIBRARY" in str(ei.value) and "no such file" in str(ei.value)
+
+
+# ---- finding 3: helper threads switch to thread-local capture mode -------------
+def test_prepare_sets_the_mode_once_per_thread_and_warns_once(monkeypatch, caplog):
+    _need_cudart()
+    monkeypatch.setattr(helper_threads, "_warned", False)
+    calls = []
+    real = helper_threads.set_thread_local_capture_mode
+
+    def counted() -> int:
+        calls.append(threading.current_thread().name)
+        return real()
+
+    monkeypatch.setattr(helper_threads, "set_thread_local_capture_mode", counted)
+    modes = {}
+
+    def helper(name: str) -> None:
+        helper_threads.prepare(None)
+        helper_threads.prepare(None)  # the second time costs an attribute read
+        modes[name] = helper_threads.thread_mode()
+
+    with caplog.at_level(logging.WARNING, logger="streamcoll"):
+        for n in ("h1", "h2"):
+            t = threading.Thread(target=helper, args=(n,), name=n)
+            t.start()
+            t.join(10)
+    assert calls == ["h1", "h2"]  # once per thread
+    if _gpu_driver():
+        assert modes == {"h1": 0, "h2": 0}  # replaced the default (global) mode
+    else:
+        assert modes == {"h1": -1, "h2": -1}
+        warnings = [r.getMessage() for r in caplog.records if "thread-local CUDA graph capture" in r.getMessage()]
+        assert len(warnings) == 1, warnings  # once per process
+        assert "cudaErrorInsufficientDriver" in warnings[0] and "capture_error_mode='thread_local'" in warnings[0]
+
+
+def test_every_cuda_helper_thread_prepares_before_querying(monkeypatch):
+    """The reaper and the watchdog go through prepare() (device and capture
+    mode) before their CUDA calls; before the fix they only set the device."""
+    seen = []
+    monkeypatch.setattr(helper_threads, "prepare", lambda idx: seen.append((threading.current_thread().name, idx)))
+
+    class Pending:
+        def query(self) -> bool:
+            return False
+
+    from streamcoll.work import Reaper
+    r = Reaper()
+    r._thread = threading.current_thread()  # no thread of its own: reap() is called here
+    r.add(Pending(), ["tensor"], device=3)
+    t = threading.Thread(target=r.reap, name="reaper-pass")
+    t.start()
+    t.join(10)
+    watchdog._use_device(5)
+    assert seen == [("reaper-pass", 3), (threading.current_thread().name, 5)]
+    assert len(r) == 1  # a pending event keeps its tensors
+
+
+def test_reaper_keeps_tensors_when_a_query_fails():
+    class Failing:
+        def query(self) -> bool:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    from streamcoll.work import Reaper
+    r = Reaper()
+    r._thread = threading.current_thread()
+    entry = r.add(Failing(), ["tensor"], device=None)
+    assert r.reap() == 1 and entry[1] == ["tensor"]
+
+
+# ---- finding 6: completion events of synchronous GPU calls --------------------
+class _Event:
+    def __init__(self, fired: bool) -> None:
+        self.fired = fired
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.fired
+
+
+def _gpu_ring(n: int):
+    """A real recorder holding sync entries 1..n that all returned (done = n)."""
+    fr = recorder.FlightRecorder(16)
+    for s in range(1, n + 1):
+        e = fr.ring[s & fr.mask]
+        e.seq, e.op, e.sync = s, "all_reduce", True
+    fr.done = n
+    comm = types.SimpleNamespace(_gpu=True, is_gpu=True)
+    return fr, comm
+
+
+def test_a_sync_gpu_call_whose_event_never_fires_is_overdue():
+    fr, comm = _gpu_ring(3)
+    now = recorder.now_ns()
+    stuck = fr.at(2)
+    stuck.event, stuck.t_enq = _Event(False), now - int(10e9)
+    fine = fr.at(3)
+    fine.event, fine.t_enq = _Event(True), now - int(10e9)
+    cands = watchdog.watched(comm, fr, 3)
+    assert stuck in cands and fine in cands and fr.at(1) not in cands  # no event: nothing to watch
+    assert fr.state(comm, stuck) == recorder.LAUNCHED
+    assert fr.state(comm, fine) == recorder.COMPLETED
+    hit = watchdog.overdue(comm, fr, cands, now, 5.0)
+    assert hit is not None and hit[0] is stuck and 9.9 < hit[1] < 10.1
+    assert watchdog.overdue(comm, fr, cands, now, 15.0) is None  # within the timeout: not yet
+    assert fine.event is not None  # a sync slot keeps its event (reused with the slot)
+
+
+def test_a_sync_call_still_inside_its_host_call_is_not_judged_by_a_stale_event():
+    """The slot's event belongs to the previous occupant until the call
+    returns: an entry after ``done`` is left to the running-call check."""
+    fr, comm = _gpu_ring(3)
+    now = recorder.now_ns()
+    e = fr.at(3)
+    e.event, e.t_enq = _Event(False), now - int(100e9)  # the previous occupant's, long ago
+    fr.done = 2
+    assert e not in watchdog.watched(comm, fr, 3)
+    assert watchdog.overdue(comm, fr, watchdog.watched(comm, fr, 3), now, 5.0) is None
+
+
+def test_cpu_sync_entries_are_not_watched_for_events():
+    fr, _ = _gpu_ring(2)
+    cpu = types.SimpleNamespace(_gpu=False, is_gpu=False)
+    fr.at(2).event, fr.at(2).t_enq = _Event(False), recorder.now_ns() - int(10e9)
+    assert watchdog.watched(cpu, fr, 2) == []
+    assert fr.state(cpu, fr.at(2)) == recorder.COMPLETED
+
+
+def test_sync_events_sample_and_never_fail_the_collective(monkeypatch, caplog):
+    """The real runtime: every N-th call tries to record (here it fails for
+    want of a driver: the call gets no event and one warning, nothing raises);
+    the others make no C call at all."""
+    _need_cudart()
+    from streamcoll.sync_events import SyncEvents, every
+    monkeypatch.setenv("STREAMCOLL_SYNC_EVENTS", "x")
+    with pytest.raises(ValueError, match="STREAMCOLL_SYNC_EVENTS: expected an integer >= 0, got 'x'"):
+        every()
+    monkeypatch.setenv("STREAMCOLL_SYNC_EVENTS", "-2")
+    with pytest.raises(ValueError, match="STREAMCOLL_SYNC_EVENTS"):
+        every()
+    monkeypatch.setenv("STREAMCOLL_SYNC_EVENTS", "4")
+    ev = SyncEvents(16, 0)
+    assert ev.every == 4
+    if _gpu_driver():
+        pytest.skip("the failure path needs a machine without a GPU driver; tests/test_cuda.py covers the GPU")
+    record = ev.recorder()  # the statements the generated CUDA launchers inline
+    entries = []
+    with caplog.at_level(logging.WARNING, logger="streamcoll"):
+        for s in range(1, 13):
+            e = recorder.FlightEntry(seq=s)
+            e.event = "stale"
+            record(e, s, 0)
+            entries.append(e)
+    assert [e.event for e in entries] == [None] * 12  # unsampled ones too: no stale event stays
+    assert [e.t_enq > 0 for e in entries] == [s % 4 == 0 for s in range(1, 13)]
+    assert ev.failures == 3  # seq 4, 8, 12 tried; the rest were skipped without a C call
+    msgs = [r.getMessage() for r in caplog.records if "completion event" in r.getMessage()]
+    assert len(msgs) == 1 and "cudaStreamIsCapturing" in msgs[0] and "cudaErrorInsufficientDriver" in msgs[0]
+    ev.close()
+    assert ev.closed
+
+
+def test_sync_events_are_off_for_cpu_communicators():
+    from streamcoll.communicator import _sync_events_for
+    comm = types.SimpleNamespace(_device=types.SimpleNamespace(type="cpu"))
+    assert _sync_events_for(comm) is None
+
+
+def test_the_generated_cuda_launcher_with_events_compiles():
+    """The {record} statements inside the synchronous template (every op and
+    sampled) form valid code: a syntax error would only show on a GPU."""
+    _need_cudart()
+    from streamcoll import launch
+    from streamcoll.sync_events import SyncEvents
+    for n in (1, 3):
+        sev = SyncEvents(16, 0, n)
+        body = launch.SYNC_TEMPLATE.format(
+            ready="True", p2p="", name="'all_reduce'", keep="(t,)", call="_f(t, hs)", cname="'all_reduce'",
+            post="", record=launch._indent(sev.source(), 8), ret="None", not_ready="_lock.release()")
+        src = "def f(t, hs):\n" + launch._indent(body, 4)
+        compile(src, "<test>", "exec")
+        assert "_sev_record(ev.handle, cs)" in src and ("seq % _sev_every" in src) == (n != 1)
