@@ -177,9 +177,15 @@ def _op_name(op: Any) -> str:
     return canonical_op(op)[0]
 
 
-@assume_constant_result
-def _op_factor(op: Any) -> float:
-    return canonical_op(op)[1]
+def _op_parts(op: Any) -> Tuple[str, float]:
+    """``(name, factor)`` of ``op`` for the ops' schema. A PreMulSum's factor
+    is read as an attribute (under Dynamo: a guarded read), because torch
+    2.11's Dynamo cannot pass this user object to a constant-result function
+    (issue 12, finding 1); enum and string ops are constants and go through
+    :func:`_op_name`. Every other op's factor is 1.0."""
+    if type(op) is PreMulSum:
+        return "PREMUL_SUM", op.factor
+    return _op_name(op), 1.0
 
 
 def _reduce_op(name: str, factor: float) -> Any:
@@ -301,7 +307,7 @@ def _sources(s: _spec.CollectiveSpec) -> Tuple[str, List[str]]:
             f"    _no_stream(stream, {s.name!r})",
             "    cid = comm_id(group)"]
     if red:
-        src += ["    name, factor = _op_name(op), _op_factor(op)"]
+        src += ["    name, factor = _op_parts(op)"]
     src += ["    if not async_op:",
             f"        torch.ops.streamcoll.{s.name}_({opargs}, -1)",
             "        return None",
@@ -315,7 +321,7 @@ def _sources(s: _spec.CollectiveSpec) -> Tuple[str, List[str]]:
                        for p in s.params if not p.is_buffer and p.kind != _spec.OP] \
         + (["op=_SUM"] if red else []) + ["group=None"]
     pargs = ", ".join(["input"] + [p.name for p in ranks] + [f"_lst({p.name})" for p in splits] + ["comm_id(group)"]
-                      + (["_op_name(op)", "_op_factor(op)"] if red else [])
+                      + (["*_op_parts(op)"] if red else [])
                       + (["_comm_size(group)"] if shape in ("gather", "scatter") else []))
     src += [f"def functional_{s.name}({', '.join(pub)}):",
             f'    """A new tensor: the result of {s.name} of ``input`` across ranks (inputs untouched)."""',

@@ -163,7 +163,11 @@ def _functional_ops(comm):
         # an explicit communicator (registry id, guarded) and torch's ReduceOp
         k = x.clone()
         streamcoll.all_reduce(k, op=torch.distributed.ReduceOp.SUM, group=comm)
-        return a, b, c, d, e, f, g, h, i, j, k, x * 1
+        # PREMUL_SUM: a user object whose factor compiled code reads (issue 12, finding 1)
+        m = custom_ops.functional_all_reduce(x, op=streamcoll.premul_sum(0.5))
+        p = x.clone()
+        streamcoll.all_reduce(p, op=streamcoll.premul_sum(2.0))
+        return a, b, c, d, e, f, g, h, i, j, k, m, p, x * 1
 
     torch._dynamo.reset()
     try:
@@ -309,7 +313,7 @@ def test_functional_and_inplace_ops_compiled(w2):
     n = 2
     base = [torch.arange(2 * n, dtype=torch.float32) + 10 * k for k in range(n)]
     for r, (eager, compiled, expected_sum) in enumerate(res):
-        a, b, c, d, e, f, g, h, i, j, k, x = compiled
+        a, b, c, d, e, f, g, h, i, j, k, m, p, x = compiled
         torch.testing.assert_close(a, expected_sum, rtol=0, atol=0)
         torch.testing.assert_close(b, torch.cat(base))
         torch.testing.assert_close(c, expected_sum[2 * r:2 * r + 2])
@@ -322,6 +326,8 @@ def test_functional_and_inplace_ops_compiled(w2):
         torch.testing.assert_close(i, expected_sum[2 * r:2 * r + 2])
         torch.testing.assert_close(j, torch.cat([base[k][2 * r:2 * r + 2] for k in range(n)]))
         torch.testing.assert_close(k, expected_sum, rtol=0, atol=0)
+        torch.testing.assert_close(m, expected_sum * 0.5, rtol=0, atol=0)
+        torch.testing.assert_close(p, expected_sum * 2.0, rtol=0, atol=0)
         torch.testing.assert_close(x, base[r])  # inputs untouched
         for ev, co in zip(eager, compiled):
             torch.testing.assert_close(co, ev, rtol=0, atol=0)

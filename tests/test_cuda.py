@@ -246,10 +246,12 @@ def test_functional_ops_compile_with_a_communicator_group(comm):
     def f(x):
         y = custom_ops.functional_all_reduce(x, group=comm)
         streamcoll.all_reduce(y, group=comm)
-        return custom_ops.functional_all_gather_into_tensor(y, group=comm)
+        z = custom_ops.functional_all_reduce(y, op=streamcoll.premul_sum(0.5), group=comm)  # a user object
+        return custom_ops.functional_all_gather_into_tensor(y, group=comm), z
 
     x = torch.arange(8, dtype=torch.float32, device="cuda")
-    assert torch.equal(f(x), x)
+    g, z = f(x)
+    assert torch.equal(g, x) and torch.equal(z, x * 0.5)
 
 
 def test_graph_capture_and_replay(comm):
