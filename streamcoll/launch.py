@@ -53,7 +53,7 @@ _lock.acquire()
 if {ready}:
     seq = _comm._seq = _comm._seq + 1{p2p}
     e = _ring[seq & _mask]
-    if e is None or not e.sync:
+    if not e.sync:  # the ring is pre-filled: an async entry's slot gets a sync entry again
         e = _ring[seq & _mask] = _Entry()
     e.seq = seq
     e.op = {name}
@@ -177,7 +177,8 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         conds.append(f"type({b}) is _Tensor")
     for b in bufs:
         conds.append(f"{b}.get_device() == _idx" if gpu else f"{b}.is_cpu")
-        conds.append(f"{b}.layout is _strided")  # a sparse CSR tensor's is_contiguous() raises
+        # a sparse COO tensor is not contiguous; CSR/CSC/BSR ones raise here: the
+        # conditions run under try (free until it raises), so both go to the general path
         conds.append(f"{b}.is_contiguous()")
     send = spec.send or spec.recv
     assert send is not None
@@ -206,11 +207,15 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         if p.kind == "splits":
             conds.append(f"{p.name} is None")  # uneven all-to-all: the general path
     cbuf, how = spec.count  # type: ignore[misc]
+    # each numel() read once (walrus names: m_<buffer>)
+    conds.append(f"(m_{cbuf} := {cbuf}.numel()) >= 0")
     if how == "numel/size":
-        conds.append(f"{cbuf}.numel() % _size == 0")
+        conds.append(f"m_{cbuf} % _size == 0")
     for buf, rel, other in spec.sizes:
-        conds.append(f"{buf}.numel() == {other}.numel()" + (" * _size" if rel == "size*" else ""))
-    lines = [f"n = {cbuf}.numel()" + (" // _size" if how == "numel/size" else "")]
+        lhs = f"m_{buf}" if buf == cbuf else f"{buf}.numel()"
+        rhs = f"m_{other}" if other == cbuf else f"{other}.numel()"
+        conds.append(f"{lhs} == {rhs}" + (" * _size" if rel == "size*" else ""))
+    lines = [f"n = m_{cbuf}" + (" // _size" if how == "numel/size" else "")]
     ptr_of: Dict[str, str] = {}
     for i, b in enumerate(dict.fromkeys(x for x in (spec.send, spec.recv) if x)):
         lines.append(f"p{i} = _ptrs({b}.data_ptr()) or _vp({b})")
@@ -236,7 +241,11 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
     argnames = [a.split("=")[0] for a in sig.split(", ") if a != "*"]
     call_general = ", ".join(a if a != "stream" else "stream=stream" for a in argnames)
     src = (f"def {spec.name}({sig}):\n"
-           f"    if ({(chr(10) + '            and ').join(conds)}):\n"
+           f"    try:\n"
+           f"        ok = ({(chr(10) + '              and ').join(conds)})\n"
+           f"    except Exception:  # e.g. a sparse CSR tensor's is_contiguous(): the general path says why\n"
+           f"        ok = False\n"
+           f"    if ok:\n"
            + _indent("\n".join(lines) + "\n" + body, 8)
            + f"    return _general(_comm, {call_general})\n")
     fn = _compile(src, spec.name, ns, f"{spec.name}/{comm._device.type}/{comm._backend.name}")
