@@ -22,8 +22,10 @@ What derives from it (nothing below repeats the per-collective knowledge):
   the flight recorder (:mod:`streamcoll.flight`), the C functions whose
   ``ncclInProgress`` is polled (:mod:`streamcoll.watchdog`), the C function
   names of :mod:`streamcoll.backends`,
-- the test, fuzz and bad-input cases (``tests/``), whose expected values come
-  from :attr:`CollectiveSpec.reference`.
+- the benchmark cases (:mod:`streamcoll.bench.cases`: buffers, the streamcoll,
+  raw C and torch.distributed calls, the check) and the test, fuzz and
+  bad-input cases (``tests/``), whose expected values come from
+  :attr:`CollectiveSpec.reference`.
 
 A planner is the one function per collective that knows its semantics: it
 receives the communicator's :class:`PlanContext` and the arguments as
@@ -388,11 +390,17 @@ def ref_reduce_scatter(size: int, rank: int, ins: List[dict], op: str = "SUM", f
 
 
 def ref_all_to_all_single(size: int, rank: int, ins: List[dict]) -> dict:
+    # ins[r] may carry rank r's input_split_sizes (rows of dim 0); without them the split is even.
     blocks = []
     for r in range(size):
-        x = ins[r]["input"].reshape(-1)
-        n = x.size // size
-        blocks.append(x[rank * n:(rank + 1) * n])
+        splits = ins[r].get("input_split_sizes")
+        if splits is None:
+            x = ins[r]["input"].reshape(-1)
+            n = x.size // size
+            blocks.append(x[rank * n:(rank + 1) * n])
+        else:
+            start = sum(splits[:rank])
+            blocks.append(ins[r]["input"][start:start + splits[rank]].reshape(-1))
     return {"output": np.concatenate(blocks)}
 
 

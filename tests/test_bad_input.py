@@ -1,6 +1,16 @@
 """Bad input (issue 3): each case raises, on the calling rank, an exception
 naming the argument and what was expected, before any C call, so no rank is
-left waiting inside a half-issued collective; the communicator stays usable."""
+left waiting inside a half-issued collective; the communicator stays usable.
+
+What follows from the declaration table (every tensor parameter
+non-contiguous, on another device, not a tensor, of another dtype; every rank
+out of range, negative, of another type; every list and split-size list of
+the wrong length; every declared size relation off by one; an unknown op) is
+tested for every collective by ``tests/test_launch.py``
+(``test_bad_input_of_every_declared_parameter_is_named``). Here: what the
+table does not describe (sparse layouts, numpy strides, which dtypes and ops
+a library supports, tags, peers, root-only lists, split sums, P2POps, the
+group argument, split)."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,10 +24,7 @@ from streamcoll import ReduceOp
 def _cases(comm):
     size = comm.size
     ok = torch.ones(4)
-    nc = torch.ones(4, 4).t()  # non-contiguous
-    meta = torch.ones(4, device="meta")  # a tensor on another device
     return [
-        ("non-contiguous", lambda: streamcoll.all_reduce(nc), ValueError, ["tensor", "contiguous"]),
         ("sparse coo", lambda: streamcoll.all_reduce(torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,))),
          TypeError, ["tensor", "sparse tensors are not supported"]),
         ("sparse csr", lambda: streamcoll.broadcast(torch.eye(3).to_sparse_csr(), 0), TypeError,
@@ -26,15 +33,12 @@ def _cases(comm):
          ValueError, ["output_tensor_lists[0]", "2 tensors"]),
         ("all_gather_coalesced numel", lambda: streamcoll.all_gather_coalesced([[torch.empty(3)]] * size, [ok]),
          ValueError, ["output_tensor_lists[0][0]", "4"]),
-        ("wrong device", lambda: streamcoll.all_reduce(meta), ValueError, ["tensor", "cpu", "meta"]),
-        ("not a tensor", lambda: streamcoll.all_reduce([1.0, 2.0]), TypeError, ["tensor", "torch.Tensor", "list"]),
         ("non-contiguous numpy", lambda: streamcoll.all_reduce(np.ones((4, 4), np.float32).T), ValueError,
          ["tensor", "C-contiguous"]),
         ("unsupported dtype", lambda: streamcoll.all_reduce(torch.ones(2, dtype=torch.complex64)), TypeError,
          ["tensor", "complex64", "all_reduce", "oneccl"]),
         ("unsupported int16", lambda: streamcoll.all_reduce(torch.ones(2, dtype=torch.int16)), TypeError,
          ["int16", "oneccl"]),
-        ("bad op", lambda: streamcoll.all_reduce(ok, op="XOR"), TypeError, ["op"]),
         ("torch BAND", lambda: streamcoll.all_reduce(ok, op=torch.distributed.ReduceOp.BAND), TypeError,
          ["op", "BAND"]),
         ("premul on ints", lambda: streamcoll.all_reduce(torch.ones(2, dtype=torch.int32),
@@ -42,28 +46,10 @@ def _cases(comm):
          ["PREMUL_SUM", "int32"]),
         ("avg on bool", lambda: streamcoll.all_reduce(torch.ones(2, dtype=torch.bool), op=ReduceOp.AVG),
          TypeError, ["AVG", "bool"]),
-        ("all_gather size", lambda: streamcoll.all_gather_into_tensor(torch.empty(size * 4 + 1), ok),
-         ValueError, ["output_tensor", str(size * 4)]),
-        ("all_gather dtype", lambda: streamcoll.all_gather_into_tensor(torch.empty(size * 4, dtype=torch.float64), ok),
-         TypeError, ["output_tensor", "float32"]),
-        ("all_gather list length", lambda: streamcoll.all_gather([torch.empty(4)] * (size + 1), ok),
-         ValueError, ["tensor_list", str(size)]),
         ("all_gather list numel", lambda: streamcoll.all_gather([torch.empty(3)] * size, ok),
          ValueError, ["tensor_list[0]", "4"]),
-        ("reduce_scatter size", lambda: streamcoll.reduce_scatter_tensor(torch.empty(4), torch.ones(4 * size + 2)),
-         ValueError, ["input", str(4 * size)]),
-        ("reduce_scatter dtype", lambda: streamcoll.reduce_scatter_tensor(torch.empty(4, dtype=torch.int32),
-                                                                          torch.ones(4 * size)),
-         TypeError, ["output", "float32"]),
-        ("broadcast src range", lambda: streamcoll.broadcast(ok, src=size), ValueError, ["src", f"[0, {size})"]),
-        ("broadcast src negative", lambda: streamcoll.broadcast(ok, src=-1), ValueError, ["src"]),
-        ("broadcast src type", lambda: streamcoll.broadcast(ok, src=0.0), TypeError, ["src", "int"]),
-        ("broadcast src bool", lambda: streamcoll.broadcast(ok, src=True), TypeError, ["src"]),
-        ("reduce dst", lambda: streamcoll.reduce(ok, dst=size + 3), ValueError, ["dst"]),
         ("send to self", lambda: streamcoll.send(ok, comm.rank), ValueError, ["dst", "other"]),
-        ("send peer range", lambda: streamcoll.send(ok, size), ValueError, ["dst"]),
         ("recv any source", lambda: streamcoll.recv(ok, None), ValueError, ["src", "any source"]),
-        ("isend peer", lambda: streamcoll.isend(ok, -2), ValueError, ["dst"]),
         ("send tag", lambda: streamcoll.send(ok, (comm.rank + 1) % size, tag=1), ValueError,
          ["tag", "not supported", "tag=0"]),
         ("irecv tag", lambda: streamcoll.irecv(ok, (comm.rank + 1) % size, tag=2), ValueError, ["tag"]),
@@ -76,9 +62,6 @@ def _cases(comm):
          ValueError, ["gather_list", "non-destination"]),
         ("scatter list numel", lambda: streamcoll.scatter(ok, [torch.ones(3)] * size, src=comm.rank),
          ValueError, ["scatter_list[0]"]),
-        ("a2a splits length", lambda: streamcoll.all_to_all_single(torch.empty(size), torch.ones(size),
-                                                                    [1] * (size + 1), [1] * size),
-         ValueError, ["output_split_sizes", str(size)]),
         ("a2a splits sum", lambda: streamcoll.all_to_all_single(torch.empty(size), torch.ones(size),
                                                                 [1] * size, [2] * size),
          ValueError, ["input_split_sizes", "sum"]),

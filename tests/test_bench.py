@@ -155,6 +155,55 @@ def test_adopt_launcher_env():
     assert not adopt_launcher_env({"RANK": "0", "WORLD_SIZE": "2"})  # torchrun
 
 
+def test_every_benchmarkable_collective_has_a_benchmark_case():
+    """The benchmark cases derive from the declaration table: every collective
+    with a fast path gets one (the point-to-point ones through nccl-tests'
+    sendrecv pair), and so does any entry declaring a bus factor."""
+    from streamcoll import spec
+    from streamcoll.bench import cases
+    from streamcoll.bench.metrics import BUS_FACTOR
+    fast = {n for n, s in spec.TABLE.items() if s.fast and not s.p2p}
+    declared = {n for n, s in spec.TABLE.items() if s.bus_factor is not None}
+    assert fast <= set(cases.CASES) and declared == {n for n in cases.CASES if n in spec.TABLE}
+    assert {n for n, s in spec.TABLE.items() if s.fast and s.p2p} == {"send", "recv"} and "sendrecv" in cases.CASES
+    assert set(cases.CASES) <= set(BUS_FACTOR)
+    for n in declared:
+        assert cases.benchmarkable(spec.TABLE[n]) and cases.torch_function(spec.TABLE[n]) is not None, n
+    # The exact-range cap of the in-place sums: 11 * 2**(k-1) <= 2**24 at 2 ranks (1 + r + i % 5 summed).
+    assert cases.call_cap("all_reduce", 2, __import__("torch").float32) == 21
+    assert cases.call_cap("broadcast", 2, __import__("torch").float32) is None
+
+
+@needs_oneccl
+def test_table_cases_run_and_check_at_world_size_1():
+    """Every derived case at one rank: its streamcoll and raw calls run on its
+    buffers and the reference check passes; a corrupted result is caught."""
+    import torch
+    import torch.distributed as dist
+    import streamcoll
+    from streamcoll.bench.cases import CASES, Context, make_case
+    comm = streamcoll.init(backend="oneccl", device="cpu", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            ctx = Context(comm, 0, 1, torch.device("cpu"), dtype, False)
+            for name in CASES:
+                if name == "sendrecv":
+                    continue
+                for nbytes in (4, 4096):
+                    case = make_case(name, ctx, nbytes)
+                    for lib in ("streamcoll", "raw"):
+                        case.fill()
+                        run = getattr(case, lib)()
+                        assert run is not None, (name, lib)
+                        for _ in range(3):
+                            run()
+                        assert case.compare(3) == (0, None), (name, lib, dtype, nbytes)
+                    case.corrupt()
+                    assert case.compare(3)[0] == 1, name
+    finally:
+        streamcoll.destroy()
+
+
 # ---------------------------------------------------------------- real runs
 def _env():
     e = dict(os.environ)

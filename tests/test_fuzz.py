@@ -1,7 +1,16 @@
-"""Bad input, fuzzed (issue 7): hypothesis generates calls of every public
-collective with random shapes, dtypes, strides, devices, ranks, ops and list
-lengths, often with one argument broken; every rank of a real oneCCL world
-runs the same call. Each call must either give the right result or raise a
+"""Bad input, fuzzed (issue 7): hypothesis generates calls of every
+collective of the declaration table (:mod:`streamcoll.spec`) with random
+shapes, dtypes, strides, devices, ranks, ops and list lengths, often with one
+argument broken; every rank of a real oneCCL world runs the same call.
+
+Everything per collective comes from its declaration: the arguments from its
+ParamSpecs (a buffer per tensor parameter, sized by the declared size
+relations, right or off by one; a list of one tensor per rank; roots; the
+reduction; split sizes), the call from its signature, the expected values
+from its ``reference`` (point-to-point pairs: the receiver holds what the
+sender sent). A collective added to the table is fuzzed without new code;
+only batch_isend_irecv (a list of P2POps) is built by hand, and what cannot be
+built is listed in ``NOT_FUZZED`` with the reason. Each call must either give the right result or raise a
 clear exception (TypeError/ValueError/NotImplementedError or a streamcoll
 error other than a library error, its message starting with the name of the
 argument) before any C call (the communicator's sequence number does not
@@ -19,13 +28,14 @@ limit; the debug mode's cross-rank check is the tool for that).
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import pytest
 import torch
 
 import streamcoll
+from streamcoll import spec
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -109,184 +119,193 @@ def _op_value(name: str):
             "PREMUL_SUM_nofactor": streamcoll.ReduceOp.PREMUL_SUM, "torch_BAND": dist.ReduceOp.BAND}[name]
 
 
-def _reduce(xs: List[torch.Tensor], opname: str) -> torch.Tensor:
-    """What a reduction of ``xs`` gives, in their dtype (the library's rules)."""
-    dtype = xs[0].dtype
-    s = torch.stack(xs)
-    name = {"torch_SUM": "SUM", "str_max": "MAX", "premul": "PREMUL"}.get(opname, opname)
-    if dtype == torch.bool:
-        if name in ("SUM", "MAX"):
-            return s.any(0)
-        if name in ("PRODUCT", "MIN"):
-            return s.all(0)
-        raise AssertionError(f"{opname} on bool accepted")
-    if name == "SUM":
-        return s.sum(0, dtype=dtype)
-    if name == "PRODUCT":
-        return s.prod(0, dtype=dtype)
-    if name == "MIN":
-        return s.amin(0)
-    if name == "MAX":
-        return s.amax(0)
-    if name == "AVG":
-        tot = s.sum(0, dtype=dtype)
-        if dtype.is_floating_point:
-            return tot / len(xs)
-        return torch.div(tot, len(xs), rounding_mode="trunc")
-    if name == "PREMUL":
-        if not dtype.is_floating_point:
-            raise AssertionError("premul_sum on an integer dtype accepted")
-        return s.sum(0, dtype=dtype) * 2.0
-    raise AssertionError(f"op {opname} accepted")
+# The reduction each fuzzed op spelling means (the reference's names), and its factor.
+_OP_REF = {"SUM": ("SUM", 1.0), "PRODUCT": ("PRODUCT", 1.0), "MIN": ("MIN", 1.0), "MAX": ("MAX", 1.0),
+           "AVG": ("AVG", 1.0), "premul": ("PREMUL_SUM", 2.0), "torch_SUM": ("SUM", 1.0), "str_max": ("MAX", 1.0)}
 
 
-def _same(got: Any, want: torch.Tensor, what: str) -> None:
+def _rejected(opname: str, dtype: torch.dtype) -> str:
+    """Why the library must refuse ``opname`` on ``dtype`` ('' where it must not)."""
+    if opname not in _OP_REF:
+        return f"op {opname} accepted"
+    ref = _OP_REF[opname][0]
+    if dtype == torch.bool and ref in ("AVG", "PREMUL_SUM"):
+        return f"{opname} on bool accepted"
+    if ref == "PREMUL_SUM" and not dtype.is_floating_point:
+        return "premul_sum on an integer dtype accepted"
+    return ""
+
+
+def _np(x: torch.Tensor) -> np.ndarray:
+    """What the reference computes on (numpy has no bfloat16: float32 holds its values exactly)."""
+    return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
+
+
+def _same(got: Any, want: Any, what: str) -> None:
+    """``got`` (a tensor, or the numpy array it was passed as) holds the reference's ``want``,
+    element by element in the buffer's own dtype."""
     got = _as_torch(got)
-    assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), (what, got, want)
-    if want.dtype.is_floating_point:
-        ok = torch.allclose(got.double(), want.double(), rtol=1e-2, atol=1e-2)
+    want = torch.as_tensor(np.asarray(want)).reshape(-1).to(got.dtype)
+    assert got.numel() == want.numel(), (what, got, want)
+    g = got.reshape(-1)
+    if got.dtype.is_floating_point:
+        ok = torch.allclose(g.double(), want.double(), rtol=1e-2, atol=1e-2)
     else:
-        ok = torch.equal(got, want)
+        ok = torch.equal(g, want)
     assert ok, f"{what}: wrong result {got} != {want}"
 
 
-def _call(comm, spec: Dict[str, Any]):
-    """Build the arguments of ``spec`` for this rank, call, return a checker of the result."""
-    fn = spec["fn"]
+def _value_key(rank: int, pidx: int, j: int, n: int) -> int:
+    return 1 + rank * n + j + 3 * pidx
+
+
+def _shape(c: Dict[str, Any], pname: str, rank: int, n: int) -> List[int]:
+    """Buffer ``pname``'s shape on ``rank``: as generated, or (split sizes drawn) rows from the matrix."""
+    M = c.get("matrix")
+    if M is None or pname not in c["split_of"]:
+        return c["shapes"][pname]
+    rows = sum(M[rank]) if c["split_of"][pname] == "in" else sum(M[i][rank] for i in range(n))
+    return [rows] + c["rest"]
+
+
+def _splits_value(c: Dict[str, Any], p: spec.ParamSpec, rank: int, n: int) -> Any:
+    M = c.get("matrix")
+    if M is None:
+        return None
+    if c["splits"][p.name] == "in":
+        v = list(M[rank])
+        return _break_splits(v, c["split_fault"], n) if c.get("split_fault") else v
+    return [M[i][rank] for i in range(n)]
+
+
+def _build(c: Dict[str, Any], s: spec.CollectiveSpec, rank: int, n: int, real: bool):
+    """Rank ``rank``'s arguments of the generated call ``c`` (``real``: with its faults) and
+    its inputs as the reference sees them."""
+    root = _rank_value(c["ranks"][s.root], n) if s.root else None
+    args: Dict[str, Any] = {}
+    ins: Dict[str, Any] = {}
+    for i, p in enumerate(s.params):
+        if p.kind == spec.TENSOR:
+            ts = dict(c["tensors"][p.name], shape=_shape(c, p.name, rank, n))
+            fill = p.role in ("in", "inout")
+            v = _value_key(rank, i, 0, n)
+            ins[p.name] = _np(_fill(ts["shape"], getattr(torch, ts["dtype"]), v)) if fill else None
+            args[p.name] = _make(ts if real else dict(ts, fault=None), v, empty=not fill)
+        elif p.kind == spec.TENSOR_LIST:
+            if p.root_only and not _is_me(root, rank):
+                args[p.name] = None
+                continue
+            lst = c["lists"][p.name]
+            fill = p.role in ("in", "inout")
+            ins[p.name] = [_np(_fill(x["shape"], getattr(torch, x["dtype"]), _value_key(rank, i, j, n)))
+                           for j, x in enumerate(lst)] if fill else None
+            args[p.name] = [_make(x if real else dict(x, fault=None), _value_key(rank, i, j, n), empty=not fill)
+                            for j, x in enumerate(lst)]
+        elif p.kind == spec.RANK:
+            args[p.name] = _rank_value(c["ranks"][p.name], n)
+        elif p.kind == spec.OP:
+            args[p.name] = _op_value(c["op"])
+        elif p.kind == spec.SPLITS:
+            args[p.name] = ins[p.name] = _splits_value(c, p, rank, n)
+        else:
+            args[p.name] = p.default
+    return args, ins
+
+
+def _call(comm, c: Dict[str, Any]):
+    """Build the arguments of the generated call ``c`` for this rank, call, return a checker of the result."""
+    if c["fn"] == "batch_isend_irecv":
+        return _call_batch(comm, c)
+    if "pair" in c:
+        return _call_pair(comm, c)
+    s = spec.TABLE[c["fn"]]
     r, n = comm.rank, comm.size
-    a = spec["async_op"]
-    ts = spec.get("t")
-    group: Any = comm if spec.get("group_fault") is None else spec["group_fault"]
+    group: Any = comm if c.get("group_fault") is None else c["group_fault"]
+    args, _ = _build(c, s, r, n, real=True)
+    kw: Dict[str, Any] = {"group": group}
+    if s.async_mode == "param":
+        kw["async_op"] = c["async_op"]
+    w = getattr(streamcoll, s.name)(*[args[p] for p in s.param_names], **kw)
+    if w is not None:
+        w.wait()
+    # Accepted: what every rank passed, and what the reference says this rank holds now.
+    ins = [_build(c, s, i, n, real=False)[1] for i in range(n)]
+    rkw: Dict[str, Any] = {p.name: args[p.name] for p in s.params if p.kind == spec.RANK}
+    if s.reduces:
+        dtype = _as_torch(args[s.buffers[0].name] if s.buffers[0].kind == spec.TENSOR
+                          else args[s.buffers[0].name][0]).dtype
+        why = _rejected(c["op"], dtype)
+        if why:
+            raise AssertionError(why)
+        rkw["op"], factor = _OP_REF[c["op"]]
+        if rkw["op"] == "PREMUL_SUM":
+            rkw["factor"] = factor
+    want = s.reference(n, r, ins, **rkw)  # type: ignore[misc]
 
-    def finish(w):
-        if a and w is not None:
-            w.wait()
+    def check() -> None:
+        for pname, exp in want.items():
+            if isinstance(exp, list):
+                assert len(args[pname]) == len(exp), (pname, args[pname])
+                for j, e in enumerate(exp):
+                    _same(args[pname][j], e, f"{s.name} {pname}[{j}]")
+            else:
+                _same(args[pname], exp, f"{s.name} {pname}")
+    return check
 
-    if fn == "all_reduce":
-        t = _make(ts, r + 1)
-        ins = [_fill(ts["shape"], getattr(torch, ts["dtype"]), i + 1) for i in range(n)]
-        finish(streamcoll.all_reduce(t, _op_value(spec["op"]), group=group, async_op=a))
-        return lambda: _same(t, _reduce(ins, spec["op"]), "all_reduce")
-    if fn == "broadcast":
-        t = _make(ts, r + 1)
-        src = _rank_value(spec["root"], n)
-        finish(streamcoll.broadcast(t, src, group=group, async_op=a))
-        return lambda: _same(t, _fill(ts["shape"], getattr(torch, ts["dtype"]), src + 1), "broadcast")
-    if fn == "reduce":
-        t = _make(ts, r + 1)
-        dst = _rank_value(spec["root"], n)
-        ins = [_fill(ts["shape"], getattr(torch, ts["dtype"]), i + 1) for i in range(n)]
-        finish(streamcoll.reduce(t, dst, _op_value(spec["op"]), group=group, async_op=a))
-        return lambda: _same(t, _reduce(ins, spec["op"]) if r == dst else ins[r], "reduce")
-    if fn == "all_gather_into_tensor":
-        inp = _make(ts, r + 1)
-        out = _make(spec["out"], 0, empty=True)
-        finish(streamcoll.all_gather_into_tensor(out, inp, group=group, async_op=a))
-        want = torch.cat([_fill(ts["shape"], getattr(torch, ts["dtype"]), i + 1).reshape(-1) for i in range(n)])
-        return lambda: _same(_as_torch(out).reshape(-1), want, "all_gather_into_tensor")
-    if fn == "all_gather":
-        inp = _make(ts, r + 1)
-        lst = [_make(x, 0, empty=True) for x in spec["list"]]
-        finish(streamcoll.all_gather(lst, inp, group=group, async_op=a))
-        return lambda: [_same(lst[i], _fill(ts["shape"], getattr(torch, ts["dtype"]), i + 1), f"all_gather[{i}]")
-                        for i in range(n)]
-    if fn == "reduce_scatter_tensor":
-        dt = getattr(torch, ts["dtype"])
-        m = int(np.prod(spec["out"]["shape"])) if spec["out"]["shape"] else 1
-        inp = _make(ts, r + 1)
-        out = _make(spec["out"], 0, empty=True)
-        full = [_fill(ts["shape"], dt, i + 1).reshape(-1) for i in range(n)]
-        finish(streamcoll.reduce_scatter_tensor(out, inp, _op_value(spec["op"]), group=group, async_op=a))
-        want = _reduce([x[r * m:(r + 1) * m] for x in full], spec["op"]).reshape(tuple(spec["out"]["shape"]))
-        return lambda: _same(out, want, "reduce_scatter_tensor")
-    if fn == "reduce_scatter":
-        dt = getattr(torch, spec["out"]["dtype"])
-        out = _make(spec["out"], 0, empty=True)
-        lst = [_make(x, r * n + i + 1) for i, x in enumerate(spec["list"])]
-        finish(streamcoll.reduce_scatter(out, lst, _op_value(spec["op"]), group=group, async_op=a))
-        want = _reduce([_fill(spec["out"]["shape"], dt, i * n + r + 1) for i in range(n)], spec["op"])
-        return lambda: _same(out, want, "reduce_scatter")
-    if fn == "all_to_all_single":
-        dt = getattr(torch, ts["dtype"])
-        rest = tuple(ts["shape"][1:])
-        M = spec["matrix"]
-        if M is None:  # even split: dim 0 = n * k
-            k = ts["shape"][0] // n if ts["shape"] else 0
-            M = [[k] * n for _ in range(n)]
-            isz = osz = None
+
+def _call_pair(comm, c: Dict[str, Any]):
+    """A point-to-point pair of the table (a sender and its receiver): rank 0
+    sends to rank 1, the others take no part; what rank 1 receives is what
+    rank 0 sent. A broken peer is the same on every rank, so every rank
+    calls both and raises."""
+    snd, rcv = (spec.TABLE[x] for x in c["pair"])
+    r = comm.rank
+    group: Any = comm if c.get("group_fault") is None else c["group_fault"]
+    ts = c["tensors"]["tensor"]
+    t = _make(ts, 7 if r == 0 else 0, empty=(r != 0))
+
+    def call(sp: spec.CollectiveSpec, peer: Any) -> None:
+        ret = getattr(streamcoll, sp.name)(t, peer, group=group)
+        if sp.returns == "src":
+            assert ret == peer, (sp.name, ret, peer)
+        elif sp.async_mode == "always":
+            ret.wait()
         else:
-            isz, osz = list(M[r]), [M[i][r] for i in range(n)]
-            if spec.get("split_fault"):
-                isz = _break_splits(isz, spec["split_fault"], n)
-        blocks = [_fill((M[r][j],) + rest, dt, r * n + j + 1) for j in range(n)]
-        inp = torch.cat(blocks) if ts.get("fault") is None else _make(dict(ts, shape=[sum(M[r])] + list(rest)), 1)
-        out = torch.zeros((sum(M[i][r] for i in range(n)),) + rest, dtype=dt)
-        finish(streamcoll.all_to_all_single(out, inp, osz, isz, group=group, async_op=a))
-        want = torch.cat([_fill((M[i][r],) + rest, dt, i * n + r + 1) for i in range(n)])
-        return lambda: _same(out, want, "all_to_all_single")
-    if fn == "all_to_all":
-        dt = getattr(torch, ts["dtype"])
-        ins = [_make(x, r * n + j + 1) for j, x in enumerate(spec["list"])]
-        outs = [torch.zeros(tuple(ts["shape"]), dtype=dt) for _ in range(len(spec["list"]))]
-        finish(streamcoll.all_to_all(outs, ins, group=group, async_op=a))
-        return lambda: [_same(outs[i], _fill(ts["shape"], dt, i * n + r + 1), f"all_to_all[{i}]") for i in range(n)]
-    if fn == "gather":
-        t = _make(ts, r + 1)
-        dst = _rank_value(spec["root"], n)
-        lst = [_make(x, 0, empty=True) for x in spec["list"]] if _is_me(dst, r) else None
-        finish(streamcoll.gather(t, lst, dst, group=group, async_op=a))
-        dt = getattr(torch, ts["dtype"])
-        return lambda: [_same(lst[i], _fill(ts["shape"], dt, i + 1), f"gather[{i}]") for i in range(n)] \
-            if _is_me(dst, r) else None
-    if fn == "scatter":
-        t = _make(ts, 0, empty=True)
-        src = _rank_value(spec["root"], n)
-        lst = [_make(x, i + 1) for i, x in enumerate(spec["list"])] if _is_me(src, r) else None
-        finish(streamcoll.scatter(t, lst, src, group=group, async_op=a))
-        return lambda: _same(t, _fill(ts["shape"], getattr(torch, ts["dtype"]), r + 1), "scatter")
-    if fn in ("send_recv", "isend_irecv"):
-        peer_fault = spec.get("peer")
-        t = _make(ts, 7 if r == 0 else 0, empty=(r != 0))
-        if peer_fault is None:  # rank 0 -> rank 1; others take no part
-            if r == 0:
-                if fn == "send_recv":
-                    streamcoll.send(t, 1, group=group)
-                else:
-                    streamcoll.isend(t, 1, group=group).wait()
-            elif r == 1:
-                if fn == "send_recv":
-                    assert streamcoll.recv(t, 0, group=group) == 0
-                else:
-                    streamcoll.irecv(t, 0, group=group).wait()
-                return lambda: _same(t, _fill(ts["shape"], getattr(torch, ts["dtype"]), 7), "recv")
-            return "idle"
-        # A broken peer (the same on every rank, so every rank raises): send then recv.
-        peer = r if peer_fault[0] == "self" else _rank_value(peer_fault, n)
-        if fn == "send_recv":
-            streamcoll.send(t, peer, group=group)
-            streamcoll.recv(t, peer, group=group)
-        else:
-            streamcoll.isend(t, peer, group=group).wait()
-            streamcoll.irecv(t, peer, group=group).wait()
-        return lambda: None
-    if fn == "batch_isend_irecv":
-        dt = getattr(torch, ts["dtype"])
-        s = _make(ts, r + 1)
-        rb = torch.zeros(tuple(ts["shape"]), dtype=dt)
-        nxt, prv = (r + 1) % n, (r - 1) % n
-        if spec.get("peer") is not None:
-            nxt = prv = _rank_value(spec["peer"], n)
-        op_send = {"ok": streamcoll.isend, "bogus": print, "torch": torch.distributed.isend}[spec["p2p_op"]]
-        ops = [streamcoll.P2POp(op_send, s, nxt, group), streamcoll.P2POp(streamcoll.irecv, rb, prv, group)]
-        if spec.get("empty"):
-            ops = []
-        for w in streamcoll.batch_isend_irecv(ops):
-            w.wait()
-        return lambda: _same(rb, _fill(ts["shape"], dt, (r - 1) % n + 1), "batch_isend_irecv")
-    if fn == "barrier":
-        finish(streamcoll.barrier(group=group, async_op=a))
-        return lambda: None
-    raise AssertionError(fn)
+            assert ret is None, (sp.name, ret)
+
+    fault = c.get("peer")
+    if fault is None:
+        if r == 0:
+            call(snd, 1)
+        elif r == 1:
+            call(rcv, 0)
+            return lambda: _same(t, _np(_fill(ts["shape"], getattr(torch, ts["dtype"]), 7)), rcv.name)
+        return "idle"
+    peer = r if fault[0] == "self" else _rank_value(fault, comm.size)
+    call(snd, peer)
+    call(rcv, peer)
+    return lambda: None
+
+
+def _call_batch(comm, c: Dict[str, Any]):
+    """batch_isend_irecv (its parameter is a list of P2POps, which no ParamSpec
+    describes): a ring of isend to rank+1 and irecv from rank-1."""
+    r, n = comm.rank, comm.size
+    group: Any = comm if c.get("group_fault") is None else c["group_fault"]
+    ts = c["tensors"]["tensor"]
+    dt = getattr(torch, ts["dtype"])
+    s = _make(ts, r + 1)
+    rb = torch.zeros(tuple(ts["shape"]), dtype=dt)
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    if c.get("peer") is not None:
+        nxt = prv = _rank_value(c["peer"], n)
+    op_send = {"ok": streamcoll.isend, "bogus": print, "torch": torch.distributed.isend}[c["p2p_op"]]
+    ops = [streamcoll.P2POp(op_send, s, nxt, group), streamcoll.P2POp(streamcoll.irecv, rb, prv, group)]
+    if c.get("empty"):
+        ops = []
+    for w in streamcoll.batch_isend_irecv(ops):
+        w.wait()
+    return lambda: _same(rb, _np(_fill(ts["shape"], dt, (r - 1) % n + 1)), "batch_isend_irecv")
 
 
 def _break_splits(sizes: List[int], fault: str, n: int) -> Any:
@@ -303,21 +322,21 @@ def _break_splits(sizes: List[int], fault: str, n: int) -> Any:
     raise AssertionError(fault)
 
 
-def run_spec(comm, spec: Dict[str, Any]) -> Dict[str, Any]:
+def run_spec(comm, spec_: Dict[str, Any]) -> Dict[str, Any]:
     """Run one generated call on this rank; check its result or its error."""
     seq0 = comm.seq
     res: Dict[str, Any] = {}
     try:
-        check = _call(comm, spec)
+        check = _call(comm, spec_)
         if check == "idle":  # takes no part in this point-to-point exchange
             check = None
             res["idle"] = True
     except CLEAR as e:
         assert not isinstance(e, (streamcoll.LibraryError, streamcoll.CommunicatorError)), \
-            f"{spec}: raised after reaching the library: {e!r}"
+            f"{spec_}: raised after reaching the library: {e!r}"
         msg = str(e)
-        assert ARG_FIRST.match(msg), f"{spec}: message does not start with the argument's name: {msg!r}"
-        assert comm.seq == seq0, f"{spec}: {type(e).__name__} raised after a launch (seq {seq0} -> {comm.seq})"
+        assert ARG_FIRST.match(msg), f"{spec_}: message does not start with the argument's name: {msg!r}"
+        assert comm.seq == seq0, f"{spec_}: {type(e).__name__} raised after a launch (seq {seq0} -> {comm.seq})"
         res.update(outcome="error", type=type(e).__name__, arg=msg.split(":", 1)[0])
     else:
         if check is not None:
@@ -365,73 +384,92 @@ def _list(draw, n: int, shape, dtype, fault_rate=0.3) -> List[Dict[str, Any]]:
     return lst
 
 
-FNS = ["all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor",
-       "reduce_scatter", "all_to_all_single", "all_to_all", "gather", "scatter", "send_recv", "isend_irecv",
-       "batch_isend_irecv", "barrier"]
+def _numel(shape: List[int]) -> int:
+    return int(np.prod(shape)) if shape else 1
+
+
+def _p2p_pairs() -> Dict[str, Tuple[str, str]]:
+    """The table's point-to-point pairs: each sender (``tensor`` read, a peer) with the
+    receiver of the same launch mode."""
+    def role(s: spec.CollectiveSpec) -> Optional[str]:
+        return s.param("tensor").role if "tensor" in s.param_names else None
+    out = {}
+    for a in spec.TABLE.values():
+        if a.p2p and role(a) == "in":
+            for b in spec.TABLE.values():
+                if b.p2p and role(b) == "out" and b.async_mode == a.async_mode:
+                    out[f"{a.name}+{b.name}"] = (a.name, b.name)
+    return out
+
+
+PAIRS = _p2p_pairs()
+# Not fuzzed, with the reason (its own tests cover it): a parameter no ParamSpec kind can build.
+NOT_FUZZED = {"all_gather_coalesced": "a list of lists per rank; tests/test_process_group.py covers it"}
+FNS = [n for n, s in spec.TABLE.items() if not s.p2p and n not in NOT_FUZZED] + list(PAIRS) + ["batch_isend_irecv"]
 
 
 @st.composite
 def calls(draw, fn: str, n: int):
-    spec: Dict[str, Any] = {"fn": fn, "async_op": draw(st.booleans())}
+    c: Dict[str, Any] = {"fn": fn, "async_op": draw(st.booleans())}
     if _p(draw) < 0.05:
-        spec["group_fault"] = draw(st.sampled_from(["default", 0]))
-    if fn in ("all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter"):
-        spec["op"] = draw(st.sampled_from(BAD_OPS if _p(draw) < 0.2 else OPS))
-    if fn in ("all_reduce", "broadcast", "reduce"):
-        spec["t"] = _tensor(draw)
-    if fn in ("broadcast", "reduce", "gather", "scatter"):
-        spec["root"] = _root(draw, n)
-    if fn == "all_gather_into_tensor":
-        ts = spec["t"] = _tensor(draw)
-        m = int(np.prod(ts["shape"])) if ts["shape"] else 1
-        out_shape = draw(st.sampled_from([[n * m], [n] + ts["shape"], [n * m + 1], [max(n * m - 1, 0)]]))
-        spec["out"] = _tensor(draw, out_shape, ts["dtype"], fault_rate=0.2)
-    if fn == "all_gather":
-        ts = spec["t"] = _tensor(draw)
-        spec["list"] = _list(draw, n, ts["shape"], ts["dtype"])
-    if fn in ("gather", "scatter"):
-        # The list is the root's alone: broken there only, the other ranks would go ahead
-        # into the collective (see the module docstring); the root's tensor and the root
-        # itself are fuzzed instead, the same on every rank.
-        ts = spec["t"] = _tensor(draw)
-        spec["list"] = [{"shape": ts["shape"], "dtype": ts["dtype"], "fault": None} for _ in range(n)]
-    if fn == "reduce_scatter_tensor":
-        out_shape = draw(st.lists(st.integers(0, 3), min_size=0, max_size=2))
-        m = int(np.prod(out_shape)) if out_shape else 1
-        in_shape = draw(st.sampled_from([[n * m], [n * m + 1], [n] + out_shape]))
-        spec["out"] = _tensor(draw, out_shape, draw(st.sampled_from(DTYPES)), fault_rate=0.2)
-        spec["t"] = _tensor(draw, in_shape, spec["out"]["dtype"], fault_rate=0.2)
-    if fn == "reduce_scatter":
-        spec["out"] = _tensor(draw, fault_rate=0.2)
-        spec["list"] = _list(draw, n, spec["out"]["shape"], spec["out"]["dtype"])
-    if fn == "all_to_all_single":
-        rest = draw(st.lists(st.integers(1, 2), min_size=0, max_size=1))
-        if draw(st.booleans()):
-            spec["matrix"] = None
-            k = draw(st.integers(0, 2))
-            spec["t"] = _tensor(draw, [n * k] + rest, fault_rate=0.25, faults=["meta", "noncontig", "baddtype"])
-        else:
-            spec["matrix"] = [[draw(st.integers(0, 2)) for _ in range(n)] for _ in range(n)]
-            # Row counts differ between ranks here: only faults that break a tensor of any size
-            # (a one-element strided tensor is contiguous, so valid on one rank and not another).
-            spec["t"] = _tensor(draw, [1] + rest, fault_rate=0.25, faults=["meta", "baddtype"])
-            if _p(draw) < 0.3:
-                spec["split_fault"] = draw(st.sampled_from(["length", "negative", "sum", "bool", "float"]))
-    if fn == "all_to_all":
-        shape = draw(st.lists(st.integers(0, 3), min_size=0, max_size=2))
-        dtype = draw(st.sampled_from(DTYPES))
-        spec["t"] = {"shape": shape, "dtype": dtype, "fault": None}
-        spec["list"] = _list(draw, n, shape, dtype)
-    if fn in ("send_recv", "isend_irecv", "batch_isend_irecv"):
-        spec["t"] = _tensor(draw, fault_rate=0.25, faults=["meta", "noncontig", "baddtype", "none"])
+        c["group_fault"] = draw(st.sampled_from(["default", 0]))
+    if fn in PAIRS or fn == "batch_isend_irecv":
+        if fn in PAIRS:
+            c["pair"] = PAIRS[fn]
+        c["tensors"] = {"tensor": _tensor(draw, fault_rate=0.25, faults=["meta", "noncontig", "baddtype", "none"])}
         if _p(draw) < 0.3:
-            spec["peer"] = draw(st.sampled_from(
+            c["peer"] = draw(st.sampled_from(
                 [["size", 0], ["negative", 0], ["bool", 0], ["float", 0], ["none", 0], ["big", 0]]
                 + ([["self", 0]] if fn != "batch_isend_irecv" else [])))
-    if fn == "batch_isend_irecv":
-        spec["p2p_op"] = draw(st.sampled_from(["ok"] * 4 + ["bogus", "torch"]))
-        spec["empty"] = _p(draw) < 0.05
-    return spec
+        if fn == "batch_isend_irecv":
+            c["p2p_op"] = draw(st.sampled_from(["ok"] * 4 + ["bogus", "torch"]))
+            c["empty"] = _p(draw) < 0.05
+        return c
+    s = spec.TABLE[fn]
+    if s.reduces:
+        c["op"] = draw(st.sampled_from(BAD_OPS if _p(draw) < 0.2 else OPS))
+    c["ranks"] = {p.name: _root(draw, n) for p in s.params if p.kind == spec.RANK}
+    dtype = draw(st.sampled_from(DTYPES))
+    base = draw(st.lists(st.integers(0, 3), min_size=0, max_size=3))
+    # Split sizes (torch's all-to-all): a parameter ``<buffer>_split_sizes`` splits dim 0 of
+    # ``<buffer>``; drawn as a matrix M (rank i sends M[i][j] rows to rank j), the input buffer's
+    # splits are its row, the output's its column, and the buffers' row counts follow.
+    splits = {p.name: ("in" if s.param(p.name[:-len("_split_sizes")]).role == "in" else "out")
+              for p in s.params if p.kind == spec.SPLITS}
+    c["splits"] = splits
+    c["split_of"] = {k[:-len("_split_sizes")]: v for k, v in splits.items()}
+    faults = TENSOR_FAULTS
+    if splits:
+        rest = c["rest"] = draw(st.lists(st.integers(1, 2), min_size=0, max_size=1))
+        if draw(st.booleans()):
+            c["matrix"] = None
+            base = [n * draw(st.integers(0, 2))] + rest
+            faults = ["meta", "noncontig", "baddtype"]
+        else:
+            c["matrix"] = [[draw(st.integers(0, 2)) for _ in range(n)] for _ in range(n)]
+            # Row counts differ between ranks here: only faults that break a tensor of any size
+            # (a one-element strided tensor is contiguous, so valid on one rank and not another).
+            base = [1] + rest
+            faults = ["meta", "baddtype"]
+            if _p(draw) < 0.3:
+                c["split_fault"] = draw(st.sampled_from(["length", "negative", "sum", "bool", "float"]))
+    # Shapes: every buffer like the base, but where the declaration relates two sizes
+    # (``size*``: n times the other's elements), right or off by one.
+    shapes = {p.name: list(base) for p in s.buffers}
+    for buf, rel, other in s.sizes:
+        m = _numel(shapes[other])
+        if rel == "size*":
+            shapes[buf] = draw(st.sampled_from([[n * m], [n] + shapes[other], [n * m + 1], [max(n * m - 1, 0)]]))
+    c["shapes"] = shapes
+    c["tensors"] = {p.name: _tensor(draw, shapes[p.name], dtype, fault_rate=0.2, faults=faults)
+                    for p in s.params if p.kind == spec.TENSOR}
+    # Lists: one tensor like the base per rank. A root-only list is the root's alone: broken
+    # there only, the other ranks would go ahead into the collective (see the module
+    # docstring), so it is left whole; the root's tensor and the root itself are fuzzed.
+    c["lists"] = {p.name: ([{"shape": list(base), "dtype": dtype, "fault": None} for _ in range(n)]
+                           if p.root_only else _list(draw, n, base, dtype))
+                  for p in s.params if p.kind == spec.TENSOR_LIST}
+    return c
 
 
 # ======================================================== the test
@@ -442,14 +480,15 @@ def test_fuzz_public_collectives(world3, fn):
 
     @settings(max_examples=25, derandomize=True, database=None, deadline=None, print_blob=True,
               suppress_health_check=list(HealthCheck))
-    @given(spec=calls(fn, n))
-    def one(spec):
-        res = world3.run(run_spec, spec, timeout=60)
+    @given(call=calls(fn, n))
+    def one(call):
+        res = world3.run(run_spec, call, timeout=60)
         kinds = {(x["outcome"], x.get("type"), x.get("arg")) for x in res if not x.get("idle")}
-        assert len(kinds) == 1, f"ranks disagree on {spec}: {res}"
+        assert len(kinds) == 1, f"ranks disagree on {call}: {res}"
         outcomes.append(res[0])
 
     one()
-    # Both branches were exercised: some calls went through, some were rejected.
+    # Both branches were exercised: some calls went through, some were rejected
+    # (a collective without parameters, barrier, can only go through).
     got = {o["outcome"] for o in outcomes}
-    assert got == {"ok", "error"} or fn == "barrier", (fn, outcomes)
+    assert got == {"ok", "error"} or (fn in spec.TABLE and not spec.TABLE[fn].params), (fn, outcomes)

@@ -361,22 +361,33 @@ def _faults(s: spec.CollectiveSpec, size: int):
     only lists are left out (only the root checks them: broken there alone
     the others would enter the collective; see tests/test_fuzz.py)."""
     out = []
+    first = s.send or s.recv  # a native collective checks its other buffers against this one
     for p in s.params:
         if p.kind == spec.TENSOR:
             out += [(f"{p.name} non-contiguous", p.name, lambda x: torch.ones(x.numel(), 2).t()[0], ValueError,
                      [p.name, "contiguous"]),
                     (f"{p.name} on meta", p.name, lambda x: torch.empty(x.shape, device="meta"), ValueError,
-                     [p.name, "meta"]),
-                    (f"{p.name} a list", p.name, lambda x: x.tolist(), TypeError, [p.name, "list"])]
+                     [p.name, "meta", "cpu"]),
+                    (f"{p.name} a list", p.name, lambda x: x.tolist(), TypeError, [p.name, "list", "torch.Tensor"])]
+            if first is not None and p.name != first:
+                out.append((f"{p.name} dtype", p.name, lambda x: x.to(torch.float64), TypeError,
+                            [p.name, "float32"]))
         elif p.kind == spec.TENSOR_LIST and not p.root_only:
             out.append((f"{p.name} length", p.name, lambda x: list(x) + [x[0]], ValueError, [p.name, str(size)]))
         elif p.kind == spec.RANK:
             out += [(f"{p.name} range", p.name, lambda x: size + 1, ValueError, [p.name, f"[0, {size})"]),
-                    (f"{p.name} type", p.name, lambda x: "0", TypeError, [p.name, "int"])]
+                    (f"{p.name} negative", p.name, lambda x: -1, ValueError, [p.name, f"[0, {size})"]),
+                    (f"{p.name} type", p.name, lambda x: "0", TypeError, [p.name, "int"]),
+                    (f"{p.name} float", p.name, lambda x: 0.0, TypeError, [p.name, "int"]),
+                    (f"{p.name} bool", p.name, lambda x: True, TypeError, [p.name])]
         elif p.kind == spec.SPLITS:
             out.append((f"{p.name} length", p.name, lambda x: [1] * (size + 1), ValueError, [p.name, str(size)]))
         elif p.kind == spec.OP:
             out.append(("op unknown", p.name, lambda x: "XOR", TypeError, ["op"]))
+    for buf, rel, other in s.sizes:  # a declared size relation, off by one: names the buffer and the size
+        if rel == "size*":
+            out.append((f"{buf} size", buf, lambda x: torch.empty(x.numel() + 1, dtype=x.dtype), ValueError,
+                        [buf, str(2 * size * size)]))
     return out
 
 
@@ -417,12 +428,14 @@ def test_bad_input_of_every_declared_parameter_is_named(world2):
 
 
 def test_the_fuzz_covers_every_declared_collective():
-    """tests/test_fuzz.py builds calls per collective: a collective added to
-    the table fails here until the fuzz knows it."""
+    """tests/test_fuzz.py derives its calls from the table: every collective
+    is fuzzed (point-to-point ones in sender/receiver pairs) unless listed as
+    not buildable, with the reason."""
     import test_fuzz
-    # Not fuzzed, each with the reason (its own tests cover it):
-    not_fuzzed = {"all_gather_coalesced": "a list of lists per rank; tests/test_process_group.py covers it"}
-    covered = set(not_fuzzed)
+    covered = set(test_fuzz.NOT_FUZZED)
     for fn in test_fuzz.FNS:
-        covered |= {"send_recv": {"send", "recv"}, "isend_irecv": {"isend", "irecv"}}.get(fn, {fn})
+        covered |= set(test_fuzz.PAIRS.get(fn, (fn,)))
     assert covered == set(spec.TABLE)
+    assert set(test_fuzz.NOT_FUZZED) <= {n for n, s in spec.TABLE.items()
+                                         if any(p.kind == spec.ANY and p.default is spec.REQUIRED for p in s.params)}
+

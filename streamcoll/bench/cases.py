@@ -1,36 +1,60 @@
-"""One benchmark case per collective: buffers, the three ways to run it
-(streamcoll, the raw C call through streamcoll's binding, torch.distributed)
-and the closed-form result that checks what was timed.
+"""One benchmark case per collective, derived from its declaration in
+:mod:`streamcoll.spec`: the buffers, the three ways to run it (streamcoll,
+the raw C call through streamcoll's binding, torch.distributed) and the
+result that checks what was timed.
 
-Inputs are small integers (``base + i % 5``), so every sum is exact in every
-dtype and the expected outputs have closed forms. Every timed batch starts
-from freshly filled buffers; the outputs of the last timed batch of each
-library are checked element by element (the timed calls themselves, not a
-separate verification call). all_reduce is in place, so after ``k`` calls the
-buffer holds ``S * n**(k-1)``; batches are capped so that stays exact
-(:attr:`Case.cap`).
+A table entry is benchmarked when it declares nccl-tests' bus factor
+(``bus_factor``), has a reference implementation and takes only tensors,
+ranks, a reduction and split sizes (:func:`benchmarkable`); nothing here
+names a collective but ``sendrecv`` (nccl-tests' pair of Send and Recv in
+one group, not a collective of the table). From the declaration:
 
-Message size follows nccl-tests (doc/PERFORMANCE.md): all_gather and
-reduce_scatter count the full array (``n`` blocks), all_to_all one rank's
-whole send buffer; counts are rounded down to a multiple of ``n`` (at least
-``n``) where the collective splits the buffer into ``n`` blocks.
+- buffers: one per tensor parameter; the message (nccl-tests' ``count``) is
+  the largest of them, the others follow the size relations (``sizes``,
+  ``count=(buffer, "numel/size")``); where the C call splits a buffer into
+  ``n`` blocks the count is rounded down to a multiple of ``n`` (at least
+  ``n``). So all_gather and reduce_scatter count the full array, all_to_all
+  one rank's whole send buffer (doc/PERFORMANCE.md);
+- ranks take their default (root 0), the reduction its default (SUM);
+- the streamcoll call is the module function with the parameters up to the
+  last buffer or rank, in the declared (torch.distributed's) order; the
+  torch.distributed call is the same arguments to :func:`torch_function`;
+- the raw call is the entry's C function with its arguments in the order
+  the header declares them (:func:`streamcoll.spec.c_roles`), bound once;
+- the expected values are the entry's ``reference``, applied once per
+  timed call to every rank's inputs.
+
+Inputs are small integers, ``1 + rank + n * block + i % 5`` (block 0 where
+the buffer is not split), so every sum is exact in every dtype and each
+block says who sent it to whom. Every timed batch starts from freshly filled
+buffers; the outputs of the last timed batch of each library are checked
+element by element (the timed calls themselves, not a separate
+verification call). An in-place reduction grows with every call
+(all_reduce: ``S * n**(k-1)`` after ``k``), so batches are capped to keep
+it exact (:attr:`Case.cap`); a result defined on the root only (reduce)
+is timed one call per batch and checked on the root.
 """
 from __future__ import annotations
 
 import functools
-
 import math
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
-__all__ = ["Context", "CASES", "make_case", "exact_limit"]
+from .. import spec as _spec
+from .._ffi._common import read_declarations
+
+__all__ = ["Context", "CASES", "Case", "make_case", "exact_limit", "batches", "benchmarkable", "torch_function"]
 
 # Largest integer each dtype holds exactly (and every smaller one).
 _EXACT = {
     torch.float32: 2 ** 24, torch.float64: 2 ** 53, torch.float16: 2 ** 11, torch.bfloat16: 2 ** 8,
     torch.int8: 127, torch.uint8: 255, torch.int32: 2 ** 31 - 1, torch.int64: 2 ** 62,
 }
+# Plain values for the benchmarked kinds; the rest must not appear in a benchmarked entry.
+_KINDS = (_spec.TENSOR, _spec.RANK, _spec.OP, _spec.SPLITS)
 
 
 def exact_limit(dtype: torch.dtype) -> int:
@@ -39,6 +63,26 @@ def exact_limit(dtype: torch.dtype) -> int:
     except KeyError:
         raise ValueError(f"dtype: {dtype} is not benchmarked (choose from "
                          f"{', '.join(str(d).replace('torch.', '') for d in _EXACT)})") from None
+
+
+def benchmarkable(s: _spec.CollectiveSpec) -> bool:
+    """Whether the table entry ``s`` gets a benchmark case (see the module docstring)."""
+    return (s.bus_factor is not None and s.reference is not None and not s.p2p
+            and any(p.kind == _spec.TENSOR for p in s.params) and all(p.kind in _KINDS for p in s.params))
+
+
+def torch_function(s: _spec.CollectiveSpec) -> Optional[Callable[..., Any]]:
+    """torch.distributed's function for ``s``: the first of its ProcessGroup
+    method names (``pg``) that torch.distributed has as a function (torch
+    2.13 named all_gather_single, reduce_scatter_single after them and
+    deprecated the old names, which warn on every call), else its own name
+    or an alias; None where torch.distributed has none."""
+    import torch.distributed as dist
+    for name in (*s.pg, s.name, *s.aliases):
+        f = getattr(dist, name, None)
+        if callable(f) and not isinstance(f, type):
+            return f
+    return None
 
 
 class Context:
@@ -59,7 +103,7 @@ class Context:
         self.lib = b.lib()
         self.handle = comm.handle
         self.cdt = b.dtypes[dtype]
-        self.csum = b.ops["SUM"]
+        self.declarations = read_declarations(b.binding.declarations)
         self.gpu = device.type != "cpu"
         if device.type == "cuda":
             self.stream = self.ffi.cast("cudaStream_t", torch.cuda.current_stream(device).cuda_stream)
@@ -81,14 +125,25 @@ class Context:
     def raise_rc(self, coll: str, rc: int):
         raise self.backend.binding.error(self.backend.funcs[coll], rc, self.handle)
 
-    def raw_call(self, coll: str, *args) -> Optional[Callable[[], None]]:
-        """The C function of ``coll`` bound to ``args`` (a C-level partial,
-        so the raw baseline pays no Python argument handling), checked; None
-        where the library lacks it."""
+    def c_args(self, coll: str, vals: Dict[str, Any]) -> tuple:
+        """The arguments of ``coll``'s C function in its header's order, from
+        values by role (``send``, ``recv``, ``count``, ...; ``comm`` and
+        ``stream`` are the context's)."""
+        v = dict(vals, comm=self.handle, stream=self.stream, dtype=self.cdt)
+        return tuple(v[r] for r in _spec.c_roles(self.declarations, self.backend.funcs[coll]))
+
+    def bound(self, coll: str, vals: Dict[str, Any]) -> Optional[Callable[[], int]]:
+        """The C function of ``coll`` bound to its arguments (a C-level
+        partial, so the raw baseline pays no Python argument handling); it
+        returns the library's result code. None where the library lacks it."""
         f = self.cfn(coll)
-        if f is None:
+        return None if f is None else functools.partial(f, *self.c_args(coll, vals))
+
+    def raw_call(self, coll: str, vals: Dict[str, Any]) -> Optional[Callable[[], None]]:
+        """:meth:`bound`, checked: raises the library's error on a failure."""
+        call = self.bound(coll, vals)
+        if call is None:
             return None
-        call = functools.partial(f, *args)
 
         def run():
             rc = call()
@@ -106,14 +161,11 @@ class Context:
         return torch.empty(count, dtype=self.dtype, device=self.device)
 
 
-def _wait(w) -> None:
-    if w is not None:
-        w.wait()
-
-
 class Case:
-    """One (collective, size) row. Subclasses set up ``self.inputs`` templates
-    and implement the three runners plus ``expected``."""
+    """One (collective, size) row: ``setup`` makes the buffers, ``fill``
+    refills them before a batch, the three runners return the callable to
+    time (``raw`` and ``torch`` None where that counterpart does not exist),
+    ``outputs``/``expected`` what the check compares."""
 
     name = ""
     split = False  # the buffer is n blocks: count rounded to a multiple of n
@@ -142,16 +194,16 @@ class Case:
     def fill(self) -> None:
         raise NotImplementedError
 
-    def output(self) -> torch.Tensor:
+    def outputs(self) -> Dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def expected(self, k: int) -> torch.Tensor:
+    def expected(self, k: int) -> Dict[str, torch.Tensor]:
         raise NotImplementedError
 
     def streamcoll(self) -> Callable[[], None]:
         raise NotImplementedError
 
-    def torch(self) -> Callable[[], None]:
+    def torch(self) -> Optional[Callable[[], None]]:
         raise NotImplementedError
 
     def raw(self) -> Optional[Callable[[], None]]:
@@ -159,17 +211,22 @@ class Case:
 
     # -- shared ---------------------------------------------------------------
     def compare(self, k: int) -> Tuple[int, Optional[str]]:
-        """(wrong elements, None or a description) of the output after ``k``
+        """(wrong elements, None or a description) of the outputs after ``k``
         calls; the count is nccl-tests' ``#wrong``."""
-        out = self.output()
-        exp = self.expected(k)
-        if torch.equal(out, exp):
-            return 0, None
-        bad = (out != exp).nonzero()
-        i = int(bad[0]) if bad.numel() else -1
-        return bad.numel(), (f"{self.name} {self.nbytes} B rank {self.ctx.rank}: {bad.numel()} of {out.numel()} "
-                             f"elements wrong; first at [{i}]: got {out.view(-1)[i].item()}, "
-                             f"expected {exp.view(-1)[i].item()}")
+        outs, exp = self.outputs(), self.expected(k)
+        wrong, first = 0, None
+        for pname, out in outs.items():
+            e = exp[pname]
+            if torch.equal(out, e):
+                continue
+            bad = (out.reshape(-1) != e.reshape(-1)).nonzero()
+            wrong += bad.numel()
+            if first is None:
+                i = int(bad[0]) if bad.numel() else -1
+                first = (f"{self.name} {self.nbytes} B rank {self.ctx.rank}: {bad.numel()} of {out.numel()} "
+                         f"elements of {pname} wrong; first at [{i}]: got {out.view(-1)[i].item()}, "
+                         f"expected {e.view(-1)[i].item()}")
+        return wrong, first
 
     def check(self, k: int) -> Optional[str]:
         """None if the output after ``k`` calls is right, else a description."""
@@ -177,218 +234,210 @@ class Case:
 
     def corrupt(self) -> None:
         """Testing aid (--inject-error): make the last result wrong."""
-        o = self.output()
-        o.view(-1)[0] = o.view(-1)[0] + 1
+        for o in self.outputs().values():
+            o.view(-1)[0] = o.view(-1)[0] + 1
+            break
 
 
-class AllReduce(Case):
-    name = "all_reduce"
+def _np_dtype(dtype: torch.dtype) -> Any:
+    """The numpy dtype the reference runs in (bfloat16, which numpy lacks: float32, exact for the test values)."""
+    return np.float32 if dtype == torch.bfloat16 else torch.empty((), dtype=dtype).numpy().dtype
+
+
+class TableCase(Case):
+    """The case of one table entry (see the module docstring)."""
+
+    def __init__(self, s: _spec.CollectiveSpec, ctx: Context, nbytes: int) -> None:
+        self.spec = s
+        self.name = s.name
+        self.split = bool(blocked(s))
+        super().__init__(ctx, nbytes)
 
     def setup(self) -> None:
-        c = self.ctx
+        c, s = self.ctx, self.spec
         n = c.n
-        self.buf = c.empty(self.count)
-        self.template = c.pattern(self.count, c.rank + 1)
-        smax = n * (n + 1) // 2 + 4 * n
-        lim = exact_limit(c.dtype)
-        if smax > lim:
-            raise ValueError(f"all_reduce: {n} ranks overflow {c.dtype}'s exact range in the check")
-        k = 1
-        while smax * n ** k <= lim and k < 10 ** 6:
-            k += 1
-        self.cap = k
+        self.numel = _numels(s, self.count, n)
+        self.root: Optional[int] = s.param(s.root).default if s.root else None
+        self.kw = _reference_kw(s)
+        # The arguments: everything up to the last buffer or rank; later defaults are left out.
+        last = max(i for i, p in enumerate(s.params) if p.kind in (_spec.TENSOR, _spec.RANK))
+        self.bufs: Dict[str, torch.Tensor] = {}
+        self.templates: Dict[str, torch.Tensor] = {}
+        args: List[Any] = []
+        for p in s.params[:last + 1]:
+            if p.kind == _spec.TENSOR:
+                self.bufs[p.name] = b = _input(c.pattern, s, p.name, self.numel[p.name], c.rank, n) \
+                    if p.role == "in" else c.empty(self.numel[p.name])
+                if p.role == "inout":
+                    self.templates[p.name] = _input(c.pattern, s, p.name, self.numel[p.name], c.rank, n)
+                args.append(b)
+            else:
+                args.append(p.default)
+        self.args = tuple(args)
+        self.send = self.bufs[s.send] if s.send else None
+        self.recv = self.bufs[s.recv] if s.recv else None
+        self.cap = call_cap(s.name, n, c.dtype)
+        # A result defined on the root only (reduce): torch.distributed's gloo leaves partial
+        # results in the other ranks' buffers, which the next in-place call would reduce. So
+        # each call starts from filled buffers (one call per batch) and only the root checks.
+        self.root_only = s.post_on_root_only and self.root is not None
+        if self.root_only:
+            self.cap = 1
+        self._expected: Dict[int, Dict[str, torch.Tensor]] = {}
 
     def fill(self) -> None:
-        self.buf.copy_(self.template)
+        for name, b in self.bufs.items():
+            t = self.templates.get(name)
+            if t is not None:
+                b.copy_(t)
+            elif self.spec.param(name).role == "out":
+                b.zero_()
 
-    def output(self) -> torch.Tensor:
-        return self.buf
+    def outputs(self) -> Dict[str, torch.Tensor]:
+        if self.root_only and self.ctx.rank != self.root:
+            return {}
+        return {p: b for p, b in self.bufs.items() if self.spec.param(p).mutable}
 
-    def expected(self, k: int) -> torch.Tensor:
-        n = self.ctx.n
-        mult = n ** (k - 1)
-        # S_i * n**(k-1), S_i = sum over ranks of (r + 1 + i % 5).
-        return self.ctx.pattern(self.count, n * (n + 1) // 2 * mult, n * mult)
+    def expected(self, k: int) -> Dict[str, torch.Tensor]:
+        e = self._expected.get(k)
+        if e is None:
+            c, s = self.ctx, self.spec
+            states = [{p: _input(_np_pattern(c.dtype), s, p, m, r, c.n) for p, m in self.numel.items()
+                       if s.param(p).role != "out"} for r in range(c.n)]
+            want = _reference(s, c.n, states, k, self.kw)[c.rank]
+            e = {p: torch.from_numpy(np.ascontiguousarray(want[p]).reshape(-1)).to(c.dtype).to(c.device)
+                 for p in self.outputs()}
+            self._expected = {k: e}
+        return e
 
     def streamcoll(self):
         import streamcoll
-        buf = self.buf
-        ar = streamcoll.all_reduce
-        return self.timed(ar, buf)
+        return self.timed(getattr(streamcoll, self.name), *self.args)
 
     def torch(self):
-        import torch.distributed as dist
-        buf = self.buf
-        ar = dist.all_reduce
-        return self.timed(ar, buf)
+        f = torch_function(self.spec)
+        return None if f is None else self.timed(f, *self.args)
+
+    def raw_vals(self) -> Optional[Dict[str, Any]]:
+        """The raw C call's arguments by role, or None where the entry is not one C call."""
+        c, s = self.ctx, self.spec
+        if s.count is None or not (s.send or s.recv):
+            return None
+        send = self.send if self.send is not None else self.recv
+        recv = self.recv if self.recv is not None else send
+        assert send is not None and recv is not None  # the declaration names a send or a receive buffer
+        if s.post_on_root_only and c.rank != self.root and c.backend.nonroot_recv_scratch:
+            # oneCCL writes the receive buffer on every rank: non-roots give a scratch one.
+            self._scratch = recv = torch.empty_like(recv)
+        cbuf, how = s.count
+        cnt = self.numel[cbuf] // (c.n if how == "numel/size" else 1)
+        vals = {"send": c.ptr(send), "recv": c.ptr(recv), "count": cnt, "root": self.root}
+        if s.reduces:
+            vals["op"] = c.backend.ops[s.param("op").default.value]
+        return vals
+
+    def raw_bound(self) -> Optional[Callable[[], int]]:
+        vals = self.raw_vals()
+        return None if vals is None else self.ctx.bound(self.name, vals)
 
     def raw(self):
-        c = self.ctx
-        p, cnt, dt, op, h, s = c.ptr(self.buf), self.count, c.cdt, c.csum, c.handle, c.stream
-        return c.raw_call("all_reduce", p, p, cnt, dt, op, h, s)
+        vals = self.raw_vals()
+        return None if vals is None else self.ctx.raw_call(self.name, vals)
 
 
-class AllGather(Case):
-    name = "all_gather_into_tensor"
-    split = True
-
-    def setup(self) -> None:
-        c = self.ctx
-        self.chunk = self.count // c.n
-        self.inp = c.pattern(self.chunk, c.rank + 1)
-        self.out = c.empty(self.count)
-
-    def fill(self) -> None:
-        self.out.zero_()
-
-    def output(self):
-        return self.out
-
-    def expected(self, k):
-        c = self.ctx
-        return torch.cat([c.pattern(self.chunk, j + 1) for j in range(c.n)])
-
-    def streamcoll(self):
-        import streamcoll
-        o, i = self.out, self.inp
-        f = streamcoll.all_gather_into_tensor
-        return self.timed(f, o, i)
-
-    def torch(self):
-        import torch.distributed as dist
-        o, i = self.out, self.inp
-        f = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the 2.13 name
-        return self.timed(f, o, i)
-
-    def raw(self):
-        c = self.ctx
-        ip, op_, cnt, dt, h, s = c.ptr(self.inp), c.ptr(self.out), self.chunk, c.cdt, c.handle, c.stream
-        return c.raw_call("all_gather_into_tensor", ip, op_, cnt, dt, h, s)
+# ------------------------------------------------------------- derivations
+def blocked(s: _spec.CollectiveSpec) -> set:
+    """The buffers the C call treats as ``n`` blocks (one per rank)."""
+    out = {buf for buf, rel, _ in s.sizes if rel == "size*"}
+    if s.count is not None and s.count[1] == "numel/size":
+        out.add(s.count[0])
+    out |= {buf for buf, rel, other in s.sizes if rel == "==" and other in out}
+    return out
 
 
-class ReduceScatter(Case):
-    name = "reduce_scatter_tensor"
-    split = True
-
-    def setup(self) -> None:
-        c = self.ctx
-        self.chunk = self.count // c.n
-        self.inp = c.pattern(self.count, c.rank + 1)
-        self.out = c.empty(self.chunk)
-
-    def fill(self) -> None:
-        self.out.zero_()
-
-    def output(self):
-        return self.out
-
-    def expected(self, k):
-        c = self.ctx
-        n, r, m = c.n, c.rank, self.chunk
-        full = c.pattern(self.count, n * (n + 1) // 2, n)
-        return full[r * m:(r + 1) * m]
-
-    def streamcoll(self):
-        import streamcoll
-        o, i = self.out, self.inp
-        f = streamcoll.reduce_scatter_tensor
-        return self.timed(f, o, i)
-
-    def torch(self):
-        import torch.distributed as dist
-        o, i = self.out, self.inp
-        f = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)  # the 2.13 name
-        return self.timed(f, o, i)
-
-    def raw(self):
-        c = self.ctx
-        ip, op_, cnt, dt, red, h, s = c.ptr(self.inp), c.ptr(self.out), self.chunk, c.cdt, c.csum, c.handle, c.stream
-        return c.raw_call("reduce_scatter_tensor", ip, op_, cnt, dt, red, h, s)
+def _numels(s: _spec.CollectiveSpec, count: int, n: int) -> Dict[str, int]:
+    """Elements of each buffer for a message of ``count``: the largest buffer
+    holds the message, a buffer ``size*`` another makes that one ``count/n``."""
+    numel = {p.name: count for p in s.buffers}
+    for buf, rel, other in s.sizes:
+        if rel == "size*":
+            numel[other] = numel[buf] // n
+    return numel
 
 
-class Broadcast(Case):
-    name = "broadcast"
-    root = 0
-
-    def setup(self) -> None:
-        c = self.ctx
-        self.buf = c.empty(self.count)
-        self.template = c.pattern(self.count, 1) if c.rank == self.root else None
-
-    def fill(self) -> None:
-        if self.template is not None:
-            self.buf.copy_(self.template)
-        else:
-            self.buf.zero_()
-
-    def output(self):
-        return self.buf
-
-    def expected(self, k):
-        return self.ctx.pattern(self.count, 1)
-
-    def streamcoll(self):
-        import streamcoll
-        b, r = self.buf, self.root
-        f = streamcoll.broadcast
-        return self.timed(f, b, r)
-
-    def torch(self):
-        import torch.distributed as dist
-        b, r = self.buf, self.root
-        f = dist.broadcast
-        return self.timed(f, b, r)
-
-    def raw(self):
-        c = self.ctx
-        p, cnt, dt, root, h, s = c.ptr(self.buf), self.count, c.cdt, self.root, c.handle, c.stream
-        return c.raw_call("broadcast", p, p, cnt, dt, root, h, s)
+def _reference_kw(s: _spec.CollectiveSpec) -> Dict[str, Any]:
+    kw: Dict[str, Any] = {}
+    for p in s.params:
+        if p.kind == _spec.RANK:
+            kw[p.name] = p.default
+        elif p.kind == _spec.OP:
+            kw[p.name] = p.default.value
+    return kw
 
 
-class AllToAll(Case):
-    name = "all_to_all_single"
-    split = True
+def _input(pattern: Callable[[int, int], Any], s: _spec.CollectiveSpec, pname: str, numel: int, rank: int,
+           n: int) -> Any:
+    """Rank ``rank``'s input for buffer ``pname``: ``1 + rank + n * block + i % 5``."""
+    if pname not in blocked(s):
+        return pattern(numel, 1 + rank)
+    m = numel // n
+    parts = [pattern(m, 1 + rank + n * j) for j in range(n)]
+    return torch.cat(parts) if isinstance(parts[0], torch.Tensor) else np.concatenate(parts)
 
-    def setup(self) -> None:
-        c = self.ctx
-        n, r = c.n, c.rank
-        self.chunk = self.count // n
-        # block j goes to rank j: 1 + r + n*j + i % 5 identifies (sender, receiver).
-        self.inp = torch.cat([c.pattern(self.chunk, 1 + r + n * j) for j in range(n)])
-        self.out = c.empty(self.count)
 
-    def fill(self) -> None:
-        self.out.zero_()
+def _np_pattern(dtype: torch.dtype) -> Callable[[int, int], np.ndarray]:
+    nd = _np_dtype(dtype)
 
-    def output(self):
-        return self.out
+    def pattern(count: int, offset: int) -> np.ndarray:
+        return (offset + np.arange(count) % 5).astype(nd)
+    return pattern
 
-    def expected(self, k):
-        c = self.ctx
-        n, r = c.n, c.rank
-        return torch.cat([c.pattern(self.chunk, 1 + s + n * r) for s in range(n)])
 
-    def streamcoll(self):
-        import streamcoll
-        o, i = self.out, self.inp
-        f = streamcoll.all_to_all_single
-        return self.timed(f, o, i)
+def _reference(s: _spec.CollectiveSpec, n: int, states: List[Dict[str, Any]], k: int,
+               kw: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Every rank's outputs after ``k`` calls on ``states`` (each rank's
+    buffers); in-place buffers carry one call's result into the next."""
+    inout = [p.name for p in s.buffers if p.role == "inout"]
+    res: List[Dict[str, Any]] = []
+    for _ in range(k if inout else 1):
+        res = [s.reference(n, r, states, **kw) for r in range(n)]  # type: ignore[misc]
+        new = [dict(st, **{p: res[r][p] for p in inout if p in res[r]}) for r, st in enumerate(states)]
+        if all(np.array_equal(a[p], b[p]) for a, b in zip(states, new) for p in inout):
+            break  # a fixed point: more calls change nothing
+        states = new
+    return res
 
-    def torch(self):
-        import torch.distributed as dist
-        o, i = self.out, self.inp
-        f = dist.all_to_all_single
-        return self.timed(f, o, i)
 
-    def raw(self):
-        c = self.ctx
-        ip, op_, cnt, dt, h, s = c.ptr(self.inp), c.ptr(self.out), self.chunk, c.cdt, c.handle, c.stream
-        return c.raw_call("all_to_all_single", ip, op_, cnt, dt, h, s)
+@functools.lru_cache(maxsize=None)
+def call_cap(name: str, n: int, dtype: torch.dtype, limit: int = 1000) -> Optional[int]:
+    """Most calls in a row whose results stay exact in ``dtype`` (None:
+    any number, the values stop changing), at most ``limit``: the reference
+    run on a buffer of each residue per block. Raises ValueError where even
+    one call leaves the exact range."""
+    s = _spec.TABLE[name]
+    numel = _numels(s, 5 * n, n)
+    states = [{p: _input(_np_pattern(torch.float64), s, p, m, r, n) for p, m in numel.items()
+               if s.param(p).role != "out"} for r in range(n)]
+    lim = exact_limit(dtype)
+    kw = _reference_kw(s)
+    inout = [p.name for p in s.buffers if p.role == "inout"]
+    for k in range(1, limit + 1):
+        res = _reference(s, n, states, 1, kw)
+        top = max((float(np.max(np.abs(v))) for r in res for v in r.values() if np.size(v)), default=0.0)
+        if top > lim:
+            if k == 1:
+                raise ValueError(f"{name}: {n} ranks overflow {dtype}'s exact range in the check")
+            return k - 1
+        new = [dict(st, **{p: res[r][p] for p in inout if p in res[r]}) for r, st in enumerate(states)]
+        if not inout or all(np.array_equal(a[p], b[p]) for a, b in zip(states, new) for p in inout):
+            return None
+        states = new
+    return limit
 
 
 class SendRecv(Case):
     """nccl-tests' sendrecv: every rank sends to rank+1 and receives from
-    rank-1 at once (one group)."""
+    rank-1 at once (one group of the table's send and recv)."""
 
     name = "sendrecv"
 
@@ -404,11 +453,11 @@ class SendRecv(Case):
     def fill(self) -> None:
         self.rbuf.zero_()
 
-    def output(self):
-        return self.rbuf
+    def outputs(self):
+        return {"tensor": self.rbuf}
 
     def expected(self, k):
-        return self.ctx.pattern(self.count, self.prv + 1)
+        return {"tensor": self.ctx.pattern(self.count, self.prv + 1)}
 
     def streamcoll(self):
         # async_op=False: both in one coalescing() block, launched on the
@@ -444,18 +493,18 @@ class SendRecv(Case):
 
     def raw(self):
         c = self.ctx
-        fs, fr, gs, ge = c.cfn("send"), c.cfn("recv"), c.cfn("group_start"), c.cfn("group_end")
+        gs, ge = c.cfn("group_start"), c.cfn("group_end")
+        fs = c.bound("send", {"send": c.ptr(self.sbuf), "count": self.count, "peer": self.nxt})
+        fr = c.bound("recv", {"recv": c.ptr(self.rbuf), "count": self.count, "peer": self.prv})
         if None in (fs, fr, gs, ge):
             return None
-        sp, rp, cnt, dt, h, st = c.ptr(self.sbuf), c.ptr(self.rbuf), self.count, c.cdt, c.handle, c.stream
-        nxt, prv = self.nxt, self.prv
 
         def run():
             rc = gs()
             if rc:
                 c.raise_rc("group_start", rc)
-            rc1 = fs(sp, cnt, dt, nxt, h, st)
-            rc2 = fr(rp, cnt, dt, prv, h, st)
+            rc1 = fs()
+            rc2 = fr()
             rc = ge()
             if rc1:
                 c.raise_rc("send", rc1)
@@ -466,15 +515,18 @@ class SendRecv(Case):
         return run
 
 
-CASES: Dict[str, Any] = {cls.name: cls for cls in (AllReduce, AllGather, ReduceScatter, Broadcast, AllToAll, SendRecv)}
+CASES: Dict[str, Callable[[Context, int], Case]] = {
+    **{name: functools.partial(TableCase, s) for name, s in _spec.TABLE.items() if benchmarkable(s)},
+    "sendrecv": SendRecv,
+}
 
 
 def make_case(name: str, ctx: Context, nbytes: int) -> Case:
     try:
-        cls = CASES[name]
+        make = CASES[name]
     except KeyError:
         raise ValueError(f"collective: unknown {name!r} (choose from {', '.join(CASES)})") from None
-    return cls(ctx, nbytes)
+    return make(ctx, nbytes)
 
 
 def batches(iters: int, cap: Optional[int], reps: int) -> tuple:
@@ -484,6 +536,3 @@ def batches(iters: int, cap: Optional[int], reps: int) -> tuple:
     if cap is not None:
         bs = max(1, min(bs, cap))
     return bs, max(1, math.ceil(iters / bs))
-
-
-__all__ += ["batches", "Case"]

@@ -141,32 +141,32 @@ def runner(case, comm) -> Callable[[], None]:
     mt = _mpi_type(ctx.dtype)
     if mt is None:
         raise NotImplementedError(f"MPI column: no MPI datatype for {ctx.dtype}")
-    name = case.name
-    if name == "all_reduce":
-        b = _buf(case.buf, mt)
-        f, inp = comm.Allreduce, MPI.IN_PLACE
-        return lambda: f(inp, b)
-    if name == "all_gather_into_tensor":
-        i, o = _buf(case.inp, mt), _buf(case.out, mt)
-        f = comm.Allgather
-        return lambda: f(i, o)
-    if name == "reduce_scatter_tensor":
-        i, o = _buf(case.inp, mt), _buf(case.out, mt)
-        f = comm.Reduce_scatter_block
-        return lambda: f(i, o)
-    if name == "broadcast":
-        b, root = _buf(case.buf, mt), case.root
-        f = comm.Bcast
-        return lambda: f(b, root)
-    if name == "all_to_all_single":
-        i, o = _buf(case.inp, mt), _buf(case.out, mt)
-        f = comm.Alltoall
-        return lambda: f(i, o)
-    if name == "sendrecv":
+    if case.name == "sendrecv":
         s, r, nxt, prv = _buf(case.sbuf, mt), _buf(case.rbuf, mt), case.nxt, case.prv
         f = comm.Sendrecv
         return lambda: f(s, nxt, 0, r, prv, 0)
-    raise NotImplementedError(f"MPI column: no runner for {name}")
+    decl = getattr(case, "spec", None)
+    how = _MPI_BY_C.get(decl.c.get("nccl", "")) if decl is not None else None
+    if how is None:
+        raise NotImplementedError(f"MPI column: no runner for {case.name}")
+    kind, fname = how
+    f = getattr(comm, fname)
+    if kind == "in_place":  # Allreduce(IN_PLACE, buf)
+        b, inp = _buf(case.recv, mt), MPI.IN_PLACE
+        return lambda: f(inp, b)
+    if kind == "rooted":  # Bcast(buf, root)
+        b, root = _buf(case.recv, mt), case.root
+        return lambda: f(b, root)
+    i, o = _buf(case.send, mt), _buf(case.recv, mt)
+    return lambda: f(i, o)
+
+
+# NCCL's C function of a table entry -> how MPI does the same: (call form, mpi4py method).
+_MPI_BY_C = {
+    "ncclAllReduce": ("in_place", "Allreduce"), "ncclBroadcast": ("rooted", "Bcast"),
+    "ncclAllGather": ("send_recv", "Allgather"), "ncclReduceScatter": ("send_recv", "Reduce_scatter_block"),
+    "ncclAlltoAll": ("send_recv", "Alltoall"),
+}
 
 
 def tiny(comm) -> Callable[[], None]:

@@ -19,7 +19,7 @@ headed ``# Collective test starting: <collective>_perf`` and
 ``# System: <name>``, as if each had been a run of its own.
 
 Placement. nccl-tests times each collective out of place and in place; the
-sweep times the placement each API has: all_reduce and broadcast in place
+sweep times the placement each API has: all_reduce, broadcast and reduce in place
 (torch.distributed's in-place signatures, mpi4py's ``MPI.IN_PLACE``), the
 others out of place. The placement not measured is printed ``N/A`` in every
 column, which is what nccl-tests itself prints for ``#wrong`` when it did
@@ -31,22 +31,31 @@ import os
 import socket
 from typing import Any, Dict, Iterable, List, Optional
 
+from .. import spec
+
 __all__ = ["NCCL_TESTS_NAME", "TYPE_NAME", "IN_PLACE", "fmt_time", "block", "blocks", "rank_lines"]
 
-# The sweep's collective -> nccl-tests' binary name (without ``_perf``).
+# NCCL's C function -> nccl-tests' binary name (without ``_perf``): nccl-tests
+# times NCCL's functions, so a collective's name there follows its NCCL
+# function (streamcoll.spec); the benchmarks' send/recv pair is "sendrecv".
+_NCCL_TESTS_BY_C = {
+    "ncclAllReduce": "all_reduce", "ncclAllGather": "all_gather", "ncclReduceScatter": "reduce_scatter",
+    "ncclBroadcast": "broadcast", "ncclReduce": "reduce", "ncclAlltoAll": "alltoall",
+    "ncclGather": "gather", "ncclScatter": "scatter",
+}
 NCCL_TESTS_NAME = {
-    "all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter", "broadcast": "broadcast",
-    "all_to_all_single": "alltoall", "sendrecv": "sendrecv",
+    **{n: _NCCL_TESTS_BY_C[s.c["nccl"]] for n, s in spec.TABLE.items() if s.c.get("nccl") in _NCCL_TESTS_BY_C},
+    "sendrecv": "sendrecv",
 }
 # torch dtype name -> nccl-tests' type column.
 TYPE_NAME = {
     "int8": "int8", "uint8": "uint8", "int32": "int32", "uint32": "uint32", "int64": "int64",
     "uint64": "uint64", "float16": "half", "float32": "float", "float64": "double", "bfloat16": "bfloat16",
 }
-# Collectives the sweep times in place (the rest: out of place).
-IN_PLACE = frozenset({"all_reduce", "broadcast"})
-_REDUCING = frozenset({"all_reduce", "reduce_scatter_tensor"})
+# Collectives the sweep times in place (one buffer is the C call's send and
+# receive buffer; the rest: out of place), and those that reduce.
+IN_PLACE = frozenset(n for n, s in spec.TABLE.items() if s.send is not None and s.send == s.recv)
+_REDUCING = frozenset(n for n, s in spec.TABLE.items() if s.reduces)
 
 SYSTEM_LABEL = {"streamcoll": "streamcoll", "raw": "raw C call (streamcoll's binding)",
                 "torch": "torch.distributed", "mpi": "MPI (mpi4py)"}
@@ -69,7 +78,9 @@ def _placement(lib: Optional[Dict[str, Any]], wrong: Optional[int]) -> str:
 
 
 def _root(coll: str) -> int:
-    return 0 if coll == "broadcast" else -1
+    """The root the sweep uses (its default), -1 for collectives without one."""
+    s = spec.TABLE.get(coll)
+    return s.param(s.root).default if s is not None and s.root else -1
 
 
 def rank_lines(rank: int, size: int, device: str, what: str) -> Dict[str, Any]:

@@ -6,19 +6,23 @@ call and torch.distributed, on a one-rank communicator with 1-element tensors.
 At world size 1 the library does no communication, so what is left is the
 cost of a call: argument checks, the launch strategy, the C call itself.
 For each of all_reduce, broadcast, all_gather_into_tensor and
-reduce_scatter_tensor the variants are, each timed as ``calls``
+reduce_scatter_tensor (by default; ``--collectives`` takes any collective
+the benchmark cases derive from the declaration table, whose buffers,
+arguments and raw call it uses) the variants are, each timed as ``calls``
 back-to-back calls per repetition and reported as the median per-call time
 over the repetitions (all variants are interleaved within every repetition,
 in rotating order, so that drift of the machine hits them alike):
 
 - raw: the C function through streamcoll's cffi binding with the arguments
-  bound once (a C-level partial: the floor for any Python wrapper);
+  bound once in its header's order (a C-level partial: the floor for any
+  Python wrapper);
 - ``streamcoll.<name>(...)``: the module-level function, async_op=False;
 - ``comm.<name>(...)``: the Communicator method (its generated fast path);
 - ``torch.distributed.<name>(...)``: gloo on the CPU, nccl on CUDA;
 - for all_reduce also ``async_op=True`` + ``wait()``.
 
-Timings never gate tests. ``--profile`` adds the Python frames one call
+Every timed call runs on the case's buffers, which are checked against the
+collective's reference implementation at the end. Timings never gate tests. ``--profile`` adds the Python frames one call
 enters and a cProfile of ``streamcoll.all_reduce``.
 """
 from __future__ import annotations
@@ -53,41 +57,42 @@ def _setup(device: str, baseline: bool):
 
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
-# torch.distributed's function of the same name (gloo/nccl), same arguments.
-_ARGS = {
-    "all_reduce": lambda t, o: (t,),
-    "broadcast": lambda t, o: (t, 0),
-    "all_gather_into_tensor": lambda t, o: (o, t),
-    "reduce_scatter_tensor": lambda t, o: (o, t),
-}
 
 
-def _raw(comm, name: str, args: tuple):
-    """The C call of ``name`` with the arguments streamcoll's plan puts in the
-    header's order, bound once (a C-level partial): the floor for any wrapper."""
-    import functools
-    from streamcoll import spec
-    s = spec.TABLE[name]
-    plan = s.planner(comm._cx, *args, *(p.default for p in s.params[len(args):]))
-    rt = comm._rt
-    h = rt.current_handle() if comm.is_gpu else rt._null
-    call = functools.partial(plan.fn, *plan.args, h)
-    err = comm._raise_rc
+def _cases(comm, collectives) -> Dict[str, Any]:
+    """The benchmark case of each collective (:mod:`streamcoll.bench.cases`,
+    derived from the declaration table) with 1-element float32 buffers: its
+    arguments, its raw C call, its reference check."""
+    import torch
+    from .cases import Context, make_case
+    ctx = Context(comm, comm.rank, comm.size, comm.device, torch.float32, False)
+    out = {name: make_case(name, ctx, 4) for name in collectives}
+    for c in out.values():
+        c.fill()
+    return out
+
+
+def _raw(case) -> Callable[[int], None]:
+    """The case's C call with its arguments bound once in the header's order
+    (a C-level partial): the floor for any wrapper."""
+    call = case.raw_bound()
+    if call is None:
+        raise ValueError(f"{case.name}: the {case.ctx.backend.name} library has no single C call for it")
+    err, name = case.ctx.raise_rc, case.name
 
     def raw(n: int) -> None:
         for _ in range(n):
             rc = call()
             if rc:
-                err(plan.cname, rc)
+                err(name, rc)
     return raw
 
 
-def _variants(comm, t, baseline: bool, collectives=COLLECTIVES) -> Dict[str, Callable[[int], None]]:
+def _variants(comm, cases: Dict[str, Any], baseline: bool) -> Dict[str, Callable[[int], None]]:
     import torch
-    import torch.distributed as dist
     import streamcoll
-    o = torch.empty_like(t)
-    sync = torch.cuda.synchronize if t.is_cuda else None
+    from .cases import torch_function
+    sync = torch.cuda.synchronize if comm.is_gpu else None
     out: Dict[str, Callable[[int], None]] = {}
 
     def loop(fn, args):
@@ -96,14 +101,17 @@ def _variants(comm, t, baseline: bool, collectives=COLLECTIVES) -> Dict[str, Cal
                 fn(*args)
         return run
 
-    for name in collectives:
-        args = _ARGS[name](t, o)
-        out[f"{name}/raw"] = _raw(comm, name, args)
+    for name, case in cases.items():
+        args = case.args
+        out[f"{name}/raw"] = _raw(case)
         out[f"{name}/streamcoll"] = loop(getattr(streamcoll, name), args)
         out[f"{name}/comm"] = loop(getattr(comm, name), args)
-        if baseline:
-            out[f"{name}/torch.distributed"] = loop(getattr(dist, name), args)
-    if "all_reduce" in collectives:
+        tf = torch_function(case.spec) if baseline else None
+        if tf is not None:
+            out[f"{name}/torch.distributed"] = loop(tf, args)
+    if "all_reduce" in cases:
+        t = cases["all_reduce"].args[0]
+
         def async_wait(n: int) -> None:
             ar = streamcoll.all_reduce
             for _ in range(n):
@@ -129,9 +137,13 @@ def _label(key: str) -> str:
     if key == "empty loop":
         return "    (empty Python loop, per iteration)"
     name, v = key.split("/")
+    if v == "torch.distributed":
+        from streamcoll import spec
+        from .cases import torch_function
+        f = torch_function(spec.get(name))
+        return f"{name}: torch.distributed.{getattr(f, '__name__', name)}"
     return {"raw": f"{name}: raw C call via cffi", "streamcoll": f"{name}: streamcoll.{name}",
-            "comm": f"{name}: comm.{name}", "torch.distributed": f"{name}: torch.distributed.{name}",
-            "async+wait": f"{name}: async_op=True + wait()"}[v]
+            "comm": f"{name}: comm.{name}", "async+wait": f"{name}: async_op=True + wait()"}[v]
 
 
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
@@ -146,10 +158,9 @@ def run(device: str = "cpu", calls: int = 1000, reps: int = 21, baseline: bool =
     instead of wall time: on a loaded machine it leaves out the time the
     process waited for a core, at the price of not counting thread hand-off
     latency (it flatters async+wait and gloo, whose work runs on other threads)."""
-    import torch
     comm = _setup(device, baseline)
-    t = torch.full((1,), 3.0, dtype=torch.float32, device=device)
-    variants = _variants(comm, t, baseline, collectives)
+    cases = _cases(comm, collectives)
+    variants = _variants(comm, cases, baseline)
     names = list(variants)
     for fn in variants.values():
         fn(warmup)
@@ -162,9 +173,11 @@ def run(device: str = "cpu", calls: int = 1000, reps: int = 21, baseline: bool =
             t0 = pc()
             fn(calls)
             samples[name].append((pc() - t0) / calls)
-    # World size 1: every one of these leaves the value as it was.
-    if float(t.item()) != 3.0:
-        raise AssertionError(f"a collective at world size 1 changed the value: 3.0 -> {t.item()}")
+    # Every timed call ran on the case's buffers: they hold what the reference says.
+    for name, case in cases.items():
+        why = case.check((warmup + reps * calls) * sum(1 for v in names if v.startswith(name + "/")))
+        if why is not None:
+            raise AssertionError(f"a timed call gave a wrong result: {why}")
     stats = {k: Stats(v, threshold) for k, v in samples.items()}
     results: Dict[str, Dict[str, Any]] = {}
     for k, st in stats.items():
@@ -179,21 +192,18 @@ def run(device: str = "cpu", calls: int = 1000, reps: int = 21, baseline: bool =
                             "comm / raw": results[f"{name}/comm"]["ratio_to_raw"],
                             **({"torch.distributed / streamcoll":
                                 stats[f"{name}/torch.distributed"].median / stats[f"{name}/streamcoll"].median}
-                               if baseline else {})}
+                               if f"{name}/torch.distributed" in stats else {})}
                      for name in collectives}
     return rec
 
 
-def frames(comm, t, name: str = "all_reduce") -> Dict[str, int]:
+def frames(comm, name: str = "all_reduce") -> Dict[str, int]:
     """Python frames entered by one synchronous call (``sys.setprofile``):
     the deterministic proxy for the fast path's cost that tests assert on."""
     import streamcoll
-    counts: Dict[str, int] = {}
-    o = t.clone()
-    args = _ARGS[name](t, o)
-    for label, fn in ((f"streamcoll.{name}", getattr(streamcoll, name)), (f"comm.{name}", getattr(comm, name))):
-        counts[label] = count_frames(fn, *args)
-    return counts
+    args = _cases(comm, (name,))[name].args
+    return {f"streamcoll.{name}": count_frames(getattr(streamcoll, name), *args),
+            f"comm.{name}": count_frames(getattr(comm, name), *args)}
 
 
 def count_frames(fn: Callable[..., Any], *args: Any) -> int:
@@ -279,8 +289,9 @@ def main(argv=None) -> int:
                    help="wall (default) or process: CPU time of the process, for a loaded machine")
     p.add_argument("--noise-threshold", type=float, default=1.5, help="warn when max/min of a variant exceeds this")
     p.add_argument("--profile", action="store_true", help="also print a cProfile of (b) and a per-step breakdown")
-    p.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=COLLECTIVES,
-                   help="which collectives (default: all four)")
+    from .cases import CASES
+    p.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=[n for n in CASES if n != "sendrecv"],
+                   help=f"which collectives (default: {' '.join(COLLECTIVES)})")
     p.add_argument("--json", help="write the results (and the machine description) here")
     p.add_argument("--table", help="write the printed table here too")
     p.add_argument("--out", help="prefix for --json/--table: PREFIX.json, PREFIX.txt "
@@ -317,7 +328,7 @@ def main(argv=None) -> int:
     if a.profile:
         import torch
         t = torch.full((1,), 3.0, dtype=torch.float32, device=a.device)
-        fr = {name: frames(comm, t, name) for name in a.collectives}
+        fr = {name: frames(comm, name) for name in a.collectives}
         rec["frames"] = fr
         out.append("\nPython frames entered by one synchronous call (sys.setprofile):")
         out += [f"  {k:48s} {v}" for d in fr.values() for k, v in d.items()]

@@ -220,7 +220,11 @@ def run_row(ctx: Context, coll: str, nbytes: int, a, devsync, tiny: Dict[str, An
         except NotImplementedError as e:  # same on every rank: decided before any call
             errors["mpi"] = str(e)
     if not a.no_baseline:
-        runners["torch"] = case.torch()
+        t = case.torch()
+        if t is not None:
+            runners["torch"] = t
+        else:  # the same on every rank
+            errors["torch"] = f"torch.distributed has no {coll}"
     iters = iters_for(case.nbytes, a)
     bs, nb = batches(iters, case.cap, a.reps)
     warm = a.warmup if a.warmup is not None else (5 if case.nbytes < (16 << 20) else 1)
