@@ -37,6 +37,7 @@ derived entirely from the declaration.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -85,11 +86,12 @@ class ParamSpec:
     root_only: bool = False
     compare: Optional[str] = "exact"
 
-    @property
+    # Derived once (the planners read them on every general-path call).
+    @functools.cached_property
     def is_buffer(self) -> bool:
         return self.kind in (TENSOR, TENSOR_LIST)
 
-    @property
+    @functools.cached_property
     def mutable(self) -> bool:
         return self.role in ("out", "inout")
 
@@ -136,7 +138,7 @@ class CollectiveSpec:
     # nccl-tests' bus bandwidth factor at n ranks (doc/PERFORMANCE.md), for the benchmarks.
     bus_factor: Optional[Callable[[int], float]] = None
 
-    @property
+    @functools.cached_property
     def param_names(self) -> Tuple[str, ...]:
         return tuple(p.name for p in self.params)
 
@@ -146,7 +148,7 @@ class CollectiveSpec:
                 return p
         raise KeyError(name)
 
-    @property
+    @functools.cached_property
     def buffers(self) -> Tuple[ParamSpec, ...]:
         return tuple(p for p in self.params if p.is_buffer)
 
