@@ -502,6 +502,8 @@ class Communicator(CollectiveMethods):
         if ok:
             self._handle = None
             self._destroyed = True
+            if self._sync_events is not None:
+                self._sync_events.close()
         return ok
 
     def __enter__(self) -> "Communicator":

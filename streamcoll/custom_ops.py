@@ -183,7 +183,7 @@ def _op_parts(op: Any) -> Tuple[str, float]:
     2.11's Dynamo cannot pass this user object to a constant-result function
     (issue 12, finding 1); enum and string ops are constants and go through
     :func:`_op_name`. Every other op's factor is 1.0."""
-    if type(op) is PreMulSum:
+    if isinstance(op, PreMulSum):
         return "PREMUL_SUM", op.factor
     return _op_name(op), 1.0
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any, Dict, List, Optional
 
 __all__ = ["SyncEvents", "every"]
@@ -47,17 +48,22 @@ class SlotEvent:
     """A raw ``cudaEvent_t`` owned by one flight-ring slot; ``query()`` as
     torch's Event (True once fired), raising CudaError on a CUDA error."""
 
-    __slots__ = ("handle", "_owner")
+    __slots__ = ("handle", "_owner", "seen")
 
     def __init__(self, handle: Any, owner: "SyncEvents") -> None:
         self.handle = handle
         self._owner = owner
+        # The sequence number the watchdog last saw complete with this event:
+        # an entry still holding that number is not queried again (a new
+        # occupant of the slot has a new number).
+        self.seen = 0
 
     def query(self) -> bool:
         o = self._owner
-        if o.closed:
-            return True  # destroyed with its communicator: nothing left to watch
-        rc = o.lib.cudaEventQuery(self.handle)
+        with o.lock:  # not while close() destroys the events
+            if o.closed:
+                return True  # destroyed with its communicator: nothing left to watch
+            rc = o.lib.cudaEventQuery(self.handle)
         if rc == 0:
             return True
         if rc == o.not_ready:
@@ -91,8 +97,10 @@ class SyncEvents:
         self.status = self.ffi.new("enum cudaStreamCaptureStatus *")
         self._new = self.ffi.new("cudaEvent_t *")
         self.closed = False
+        self.lock = threading.Lock()
         self.failures = 0
         self.created = 0
+        self.count = [0]  # synchronous calls so far (sampling counts these, not sequence numbers)
 
     # -- what the launch path runs --------------------------------------------
     def source(self) -> str:
@@ -100,6 +108,7 @@ class SyncEvents:
         ``seq`` on its entry ``e``; ``hs`` is the int ``cudaStream_t`` it ran
         on. Names they use: :meth:`namespace`."""
         body = (
+            "e.t_enq = _now()  # before the event: a reader never pairs the new event with an old time\n"
             "cs = _sev_streams.get(hs)\n"
             "if cs is None:\n"
             "    cs = _sev.stream(hs)\n"
@@ -113,17 +122,18 @@ class SyncEvents:
             "        e.event = _sev.failed('cudaEventRecord', rc2 if ev is not None else 0)\n"
             "else:\n"
             "    e.event = _sev.failed('cudaStreamIsCapturing', rc2)  # rc2 0: capturing, a graph node\n"
-            "e.t_enq = _now()\n"
         )
         if self.every == 1:
             return body
-        return ("if seq % _sev_every:\n    e.event = None\nelse:\n"
+        # every N-th synchronous call (async calls take sequence numbers too:
+        # sampling by those could skip every sync call of a steady pattern)
+        return ("_sev_count[0] = k = _sev_count[0] + 1\nif k % _sev_every:\n    e.event = None\nelse:\n"
                 + "".join("    " + ln + "\n" for ln in body.splitlines()))
 
     def namespace(self) -> Dict[str, Any]:
         lib = self.lib
         return {"_sev": self, "_sev_streams": self.streams, "_sev_slots": self.slots, "_sev_mask": self.mask,
-                "_sev_status": self.status, "_sev_every": self.every,
+                "_sev_status": self.status, "_sev_every": self.every, "_sev_count": self.count,
                 "_sev_capturing": lib.cudaStreamIsCapturing, "_sev_record": lib.cudaEventRecord}
 
     def recorder(self):  # type: ignore[no-untyped-def]
@@ -143,6 +153,8 @@ class SyncEvents:
 
     def slot(self, seq: int) -> Optional[SlotEvent]:
         """The event of ``seq``'s ring slot, created on first use (None if it cannot be)."""
+        if self.closed:
+            return None  # destroyed or aborted: no new events
         try:
             ev = self._create()
         except Exception as e:
@@ -176,13 +188,20 @@ class SyncEvents:
 
     def close(self) -> None:
         """Destroy the events (pending ones are released by CUDA when they fire)."""
-        if self.closed:
-            return
-        self.closed = True
-        for i, ev in enumerate(self.slots):
-            self.slots[i] = None  # the list is shared with the launchers' namespaces
-            if ev is not None:
-                try:
-                    self.lib.cudaEventDestroy(ev.handle)
-                except Exception:
-                    pass
+        with self.lock:  # a watchdog query in flight finishes first
+            if self.closed:
+                return
+            self.closed = True
+            for i, ev in enumerate(self.slots):
+                self.slots[i] = None  # the list is shared with the launchers' namespaces
+                if ev is not None:
+                    try:
+                        self.lib.cudaEventDestroy(ev.handle)
+                    except Exception:
+                        pass
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -396,8 +396,13 @@ def watched(comm: Any, fr: Any, last: int) -> List[Any]:
     cands = [inflight] if inflight is not None else []
     if comm.is_gpu:
         done = fr.done
-        cands += [e for e in fr.recent(last, SCAN)
-                  if not e.sync or (e.event is not None and e.seq <= done)]
+        for e in fr.recent(last, SCAN):
+            if not e.sync:
+                cands.append(e)
+            else:
+                ev = e.event
+                if ev is not None and e.seq <= done and getattr(ev, "seen", 0) != e.seq:
+                    cands.append(e)  # returned, with an event not yet seen complete
     return cands
 
 
@@ -406,15 +411,21 @@ def overdue(comm: Any, fr: Any, cands: List[Any], now: int, limit: float) -> Opt
     ``limit`` seconds, or None. Async entries found completed let go of
     their events (not queried again)."""
     for e in cands:
+        seq = e.seq  # before the state: the launch thread may reuse a sync entry's slot meanwhile
         st = fr.state(comm, e)
         if st == flight.RUNNING:
+            if e.sync:
+                continue  # inside its host call again (the slot was reused): _running_sync's business
             age = (now - (e.t_start or e.t_enq)) / 1e9
         elif st == flight.LAUNCHED and e.event is not None:
             age = (now - e.t_enq) / 1e9
         else:
-            if st == flight.COMPLETED and not e.sync and e.state == flight.LAUNCHED:
-                e.state = flight.COMPLETED  # no need to query it again
-                e.event = None
+            if st == flight.COMPLETED:
+                if not e.sync and e.state == flight.LAUNCHED:
+                    e.state = flight.COMPLETED  # no need to query it again
+                    e.event = None
+                elif e.sync and e.event is not None:
+                    e.event.seen = seq  # a reused slot has a new number: this marks only the old one
             continue
         if age > limit:
             return e, age

@@ -223,9 +223,14 @@ def test_helper_thread_queries_do_not_invalidate_a_global_capture(comm):
     inp = torch.ones(1024, device="cuda")
     out = torch.zeros(1024, device="cuda")
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):  # capture_error_mode="global", the default
+    cs = torch.cuda.Stream()
+    # By hand, not torch.cuda.graph(): its __enter__ synchronizes the device,
+    # which would let the event fire before the capture begins.
+    with torch.cuda.stream(cs):
+        g.capture_begin()  # capture_error_mode "global", the default
         out.copy_(inp * 2)
-        time.sleep(0.3)  # ~150 reaper queries of the pending event meanwhile
+        time.sleep(0.3)  # ~150 reaper queries of the still pending event meanwhile
+        g.capture_end()  # raised (capture invalidated) before the fix
     assert entry[1] is not None  # still pending: the tensors are still held
     g.replay()
     torch.cuda.synchronize()

@@ -174,6 +174,26 @@ def test_a_sync_gpu_call_whose_event_never_fires_is_overdue():
     assert hit is not None and hit[0] is stuck and 9.9 < hit[1] < 10.1
     assert watchdog.overdue(comm, fr, cands, now, 15.0) is None  # within the timeout: not yet
     assert fine.event is not None  # a sync slot keeps its event (reused with the slot)
+    # seen complete: not queried again on later passes, until the slot has a new occupant
+    assert fine not in watchdog.watched(comm, fr, 3) and stuck in watchdog.watched(comm, fr, 3)
+    q = fine.event.queries
+    watchdog.overdue(comm, fr, watchdog.watched(comm, fr, 3), now, 15.0)
+    assert fine.event.queries == q
+
+
+def test_a_reused_slot_is_not_judged_by_its_previous_occupant():
+    """The watchdog picked an entry that returned; before it reads the
+    state, the launch thread reuses the slot for a new call (inside its host
+    call, with the old occupant's t_enq still there): not a hang."""
+    fr, comm = _gpu_ring(3)
+    now = recorder.now_ns()
+    e = fr.at(3)
+    e.event, e.t_enq = _Event(True), now - int(100e9)
+    cands = watchdog.watched(comm, fr, 3)
+    assert e in cands
+    e.seq = 3 + fr.capacity  # reused: the new call is inside its host call (seq > done)
+    e.event = _Event(False)
+    assert watchdog.overdue(comm, fr, cands, now, 5.0) is None
 
 
 def test_a_sync_call_still_inside_its_host_call_is_not_judged_by_a_stale_event():
@@ -226,8 +246,15 @@ def test_sync_events_sample_and_never_fail_the_collective(monkeypatch, caplog):
     assert ev.failures == 3  # seq 4, 8, 12 tried; the rest were skipped without a C call
     msgs = [r.getMessage() for r in caplog.records if "completion event" in r.getMessage()]
     assert len(msgs) == 1 and "cudaStreamIsCapturing" in msgs[0] and "cudaErrorInsufficientDriver" in msgs[0]
+    # sampling counts synchronous calls, not sequence numbers (async calls take those too):
+    # seq 13, 17, 21, 25 (three async calls between each) still sample the 4th sync call
+    ev2 = SyncEvents(16, 0)
+    record2 = ev2.recorder()
+    for s in (13, 17, 21, 25):
+        record2(recorder.FlightEntry(seq=s), s, 0)
+    assert ev2.failures == 1
     ev.close()
-    assert ev.closed
+    assert ev.closed and ev.slot(4) is None  # no new events after close (destroy, abort)
 
 
 def test_sync_events_are_off_for_cpu_communicators():
@@ -249,4 +276,4 @@ def test_the_generated_cuda_launcher_with_events_compiles():
             post="", record=launch._indent(sev.source(), 8), ret="None", not_ready="_lock.release()")
         src = "def f(t, hs):\n" + launch._indent(body, 4)
         compile(src, "<test>", "exec")
-        assert "_sev_record(ev.handle, cs)" in src and ("seq % _sev_every" in src) == (n != 1)
+        assert "_sev_record(ev.handle, cs)" in src and ("k % _sev_every" in src) == (n != 1)

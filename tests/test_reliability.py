@@ -537,6 +537,14 @@ if __name__ != "__main__":
         assert 3.0 <= took <= 15.0, took
         assert ei.value.op == "init" and "stayed ncclInProgress" in str(ei.value)
 
+    def _cycles(seconds: float) -> int:
+        """GPU clock cycles of ``seconds`` for torch.cuda._sleep (clock_rate in
+        kHz; an H200's 1.98 GHz where the build reports 0: CUDA 13 dropped
+        cudaDeviceProp::clockRate)."""
+        import torch
+        rate = getattr(torch.cuda.get_device_properties(0), "clock_rate", 0) or 1_980_000
+        return int(rate * 1000 * seconds)
+
     @pytest.mark.cuda
     def test_gpu_watchdog_aborts_stuck_async_work(monkeypatch):
         """Async work whose completion event does not fire within the timeout
@@ -548,7 +556,7 @@ if __name__ != "__main__":
         import torch.distributed as dist
         c = streamcoll.new_communicator(backend="nccl", device="cuda:0", rank=0, world_size=1,
                                         store=dist.HashStore(), timeout=1.0)
-        torch.cuda._sleep(int(torch.cuda.get_device_properties(0).clock_rate * 1000 * 6))  # ~6 s
+        torch.cuda._sleep(_cycles(6.0))  # ~6 s
         t = torch.ones(16, device="cuda:0")
         w = c.all_reduce(t, async_op=True)
         t0 = time.monotonic()
@@ -576,7 +584,7 @@ if __name__ != "__main__":
         import torch.distributed as dist
         c = streamcoll.new_communicator(backend="nccl", device="cuda:0", rank=0, world_size=1,
                                         store=dist.HashStore(), timeout=1.0)
-        torch.cuda._sleep(int(torch.cuda.get_device_properties(0).clock_rate * 1000 * 6))  # ~6 s
+        torch.cuda._sleep(_cycles(6.0))  # ~6 s
         t = torch.ones(16, device="cuda:0")
         c.all_reduce(t)  # returns at once: enqueued behind the sleep
         seq = c.seq
