@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from typing import Any, Optional
 
 import pytest
 
@@ -36,7 +37,18 @@ from conftest import needs_oneccl  # noqa: E402
 
 from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
 
-DistTestCases.backend_feature["plugin"].add(os.environ["BACKEND"])
+# What the backend declares to the suite, the way nccl, gloo and ucc are
+# declared in common_distributed.DistTestCases: read by the decorators when
+# distributed_test is imported below, so it must come first. streamcoll runs
+# DDP, new_group subgroups and object collectives, on cpu (oneCCL) and cuda
+# (NCCL); like nccl and xccl it cannot receive from any source (neither
+# library has a wildcard receive; recv(src=None) raises ValueError).
+_B = os.environ["BACKEND"]
+DistTestCases.backend_feature["plugin"].add(_B)
+if _B == "streamcoll":
+    for _feature in ("ddp", "subgroup", "gpu", "cuda"):
+        DistTestCases.backend_feature[_feature].add(_B)
+    DistTestCases.skip_collective["sendrecv anysource"].add(_B)
 
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest,
@@ -81,6 +93,43 @@ _ALL = os.environ.get("STREAMCOLL_DIST_SUITE", "") == "all"
 pytestmark = [needs_oneccl, pytest.mark.world, pytest.mark.slow, pytest.mark.timeout(PER_TEST_TIMEOUT)]
 
 
+def _child_skip(fn: Any) -> Optional[str]:
+    """The reason the spawned ranks would skip ``fn`` at once, or None.
+
+    common_distributed's runtime skips (``skip_if_no_gpu``,
+    ``skip_if_lt_x_gpu``, ``skip_if_small_worldsize``,
+    ``skip_if_odd_worldsize``) exit the child with a skip code, after a
+    world was spawned (about 10 s here, a third of a full run). Their
+    conditions depend only on the machine and ``WORLD_SIZE``, so they are
+    evaluated here on the decorator chain (``__wrapped__``, each wrapper
+    known by its code's qualified name) and the test skips with the same
+    message without spawning. Anything else is left to the ranks."""
+    import torch
+    from torch.testing._internal import common_distributed as cd
+
+    if (torch.cuda.is_available() and torch.cuda.device_count()) or cd.TEST_HPU or cd.TEST_XPU:
+        accelerators = True
+    else:
+        accelerators = False
+    ws = int(os.environ["WORLD_SIZE"])
+    f = fn
+    while f is not None:
+        code = getattr(f, "__code__", None)
+        q = code.co_qualname if code is not None else ""
+        if q.startswith("skip_if_no_gpu.") and not accelerators:
+            return cd.TEST_SKIPS["no_cuda"].message
+        if q.startswith("skip_if_lt_x_gpu.") and not accelerators:
+            cells = dict(zip(code.co_freevars, f.__closure__ or ()))
+            if not (cells.get("allow_cpu") and cells["allow_cpu"].cell_contents):
+                return cd.TEST_SKIPS[f"multi-gpu-{cells['x'].cell_contents}"].message
+        if q.startswith("skip_if_small_worldsize.") and os.environ["BACKEND"] != "mpi" and ws < 8:
+            return cd.TEST_SKIPS["small_worldsize"].message
+        if q.startswith("skip_if_odd_worldsize.") and os.environ["BACKEND"] != "mpi" and ws % 2 == 1:
+            return cd.TEST_SKIPS["odd_worldsize"].message
+        f = getattr(f, "__wrapped__", None)
+    return None
+
+
 class TestStreamcollDistBackend(TestDistBackend, DistributedTest._DistTestBase):
     """``_DistTestBase`` with one spawned 2-rank world per test."""
 
@@ -88,6 +137,9 @@ class TestStreamcollDistBackend(TestDistBackend, DistributedTest._DistTestBase):
         name = self._testMethodName
         if not _ALL and name not in SUBSET:
             self.skipTest("not in the CI subset (STREAMCOLL_DIST_SUITE=all runs every test)")
+        why = _child_skip(getattr(type(self), name))
+        if why is not None:
+            self.skipTest(f"{why} (decided before spawning)")
         super().setUp()
         self._spawn_processes()
 
