@@ -23,6 +23,7 @@ import torch
 from .backends import resolve
 from .communicator import Communicator, _seconds
 from . import env, topology
+from .env_vars import read_int
 from .errors import BackendUnavailableError, CommunicatorError, RendezvousError, UsageError
 
 log = logging.getLogger("streamcoll.bootstrap")
@@ -43,16 +44,6 @@ def is_available(backend: str = "oneccl") -> bool:
         return get_backend(backend).binding.is_available()
     except Exception:
         return False
-
-
-def _env_int(name: str, default: Optional[int] = None) -> Optional[int]:
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return default
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError(f"environment variable {name}: expected an integer, got {v!r}") from None
 
 
 def _default_device(backend: Optional[str], local_rank: int) -> torch.device:
@@ -201,7 +192,7 @@ def _check_world_size(world_size: int) -> None:
             raise ValueError(f"world_size: {world_size} ranks asked for, but torch.distributed's world (whose "
                              f"store is used) has {n}; pass store= for a communicator over other ranks")
         return
-    env = _env_int("WORLD_SIZE")
+    env = read_int("WORLD_SIZE")
     if env is not None and env != world_size:
         who = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "the launcher"
         raise ValueError(f"world_size: {world_size} disagrees with WORLD_SIZE={env} (set by {who}); the env:// "
@@ -288,9 +279,9 @@ def new_communicator(
     """
     t = _seconds(timeout)
     if rank is None:
-        rank = _env_int("RANK", 0)
+        rank = read_int("RANK", 0)
     if world_size is None:
-        world_size = _env_int("WORLD_SIZE", 1)
+        world_size = read_int("WORLD_SIZE", 1)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -299,7 +290,7 @@ def new_communicator(
         raise TypeError(f"backend: expected 'nccl', 'oneccl' or None, got {backend!r}")
     if store is None:
         _check_world_size(world_size)
-    local_rank = _env_int("LOCAL_RANK", rank) or 0
+    local_rank = read_int("LOCAL_RANK", rank) or 0
     if device is None:
         device = _default_device(backend.lower() if backend else None, local_rank)
     try:

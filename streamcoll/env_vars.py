@@ -8,9 +8,10 @@ equal), so a variable documented in one place is documented in all. The
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Tuple
+import os
+from typing import List, NamedTuple, Optional, Tuple, overload
 
-__all__ = ["EnvVar", "TABLE", "names", "markdown"]
+__all__ = ["EnvVar", "TABLE", "names", "markdown", "read_int"]
 
 
 class EnvVar(NamedTuple):
@@ -106,3 +107,26 @@ def markdown() -> str:
         default = f"`{v.default}`" if v.default else ""
         lines.append(f"| `{v.name}` | {v.kind} | {default} | {v.doc} |")
     return "\n".join(lines) + "\n"
+
+
+@overload
+def read_int(name: str, default: int, minimum: Optional[int] = None) -> int: ...
+@overload
+def read_int(name: str, default: None = None, minimum: Optional[int] = None) -> Optional[int]: ...
+
+
+def read_int(name: str, default: Optional[int] = None, minimum: Optional[int] = None) -> Optional[int]:
+    """Integer variable ``name`` (``default`` when unset or empty). Anything
+    else, or a value below ``minimum``, is a ValueError naming the variable
+    and what was expected."""
+    v = os.environ.get(name, "").strip()
+    if v == "":
+        return default
+    want = "an integer" if minimum is None else f"an integer >= {minimum}"
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"{name}: expected {want}, got {v!r}") from None
+    if minimum is not None and n < minimum:
+        raise ValueError(f"{name}: expected {want}, got {n}")
+    return n

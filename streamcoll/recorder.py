@@ -12,6 +12,8 @@ import time
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from .env_vars import read_int
+
 __all__ = ["FlightRecorder", "FlightEntry", "attach", "default_dir",
            "ENQUEUED", "RUNNING", "LAUNCHED", "COMPLETED", "FAILED"]
 
@@ -56,14 +58,7 @@ class FlightEntry:
 
 
 def _capacity() -> int:
-    v = os.environ.get("STREAMCOLL_FLIGHT_SIZE", "1024")
-    try:
-        n = int(v)
-    except ValueError:
-        raise ValueError(f"STREAMCOLL_FLIGHT_SIZE: expected an integer number of entries, got {v!r}") from None
-    if n < 0:
-        raise ValueError(f"STREAMCOLL_FLIGHT_SIZE: expected >= 0, got {n}")
-    return n
+    return read_int("STREAMCOLL_FLIGHT_SIZE", 1024, minimum=0)
 
 
 def default_dir() -> str:

@@ -22,9 +22,10 @@ collective itself never fails because of it.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Any, Dict, List, Optional
+
+from .env_vars import read_int
 
 __all__ = ["SyncEvents", "every"]
 
@@ -34,14 +35,7 @@ log = logging.getLogger("streamcoll")
 def every() -> int:
     """``STREAMCOLL_SYNC_EVENTS``: record an event after every N-th
     synchronous CUDA collective (default 1; 0 disables)."""
-    v = os.environ.get("STREAMCOLL_SYNC_EVENTS", "1")
-    try:
-        n = int(v)
-    except ValueError:
-        raise ValueError(f"STREAMCOLL_SYNC_EVENTS: expected an integer >= 0, got {v!r}") from None
-    if n < 0:
-        raise ValueError(f"STREAMCOLL_SYNC_EVENTS: expected an integer >= 0, got {n}")
-    return n
+    return read_int("STREAMCOLL_SYNC_EVENTS", 1, minimum=0)
 
 
 class SlotEvent:

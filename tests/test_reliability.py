@@ -545,20 +545,22 @@ if __name__ != "__main__":
         rate = getattr(torch.cuda.get_device_properties(0), "clock_rate", 0) or 1_980_000
         return int(rate * 1000 * seconds)
 
-    @pytest.mark.cuda
-    def test_gpu_watchdog_aborts_stuck_async_work(monkeypatch):
-        """Async work whose completion event does not fire within the timeout
-        (the stream is held by a spinning kernel): the watchdog marks the
-        communicator failed and aborts it (ncclCommAbort)."""
+    def _comm_behind_a_spinning_kernel(monkeypatch):
+        """A one-rank NCCL communicator with a 1 s timeout (watchdog ``fail``)
+        whose current stream is held ~6 s by a spinning kernel, and a tensor."""
         import torch
+        import torch.distributed as dist
         monkeypatch.setenv("STREAMCOLL_WATCHDOG", "fail")
         monkeypatch.delenv("STREAMCOLL_NCCL_NONBLOCKING", raising=False)
-        import torch.distributed as dist
+        monkeypatch.delenv("STREAMCOLL_SYNC_EVENTS", raising=False)
         c = streamcoll.new_communicator(backend="nccl", device="cuda:0", rank=0, world_size=1,
                                         store=dist.HashStore(), timeout=1.0)
-        torch.cuda._sleep(_cycles(6.0))  # ~6 s
-        t = torch.ones(16, device="cuda:0")
-        w = c.all_reduce(t, async_op=True)
+        torch.cuda._sleep(_cycles(6.0))
+        return c, torch.ones(16, device="cuda:0")
+
+    def _until_the_watchdog_fires(c) -> None:
+        """The watchdog declares the call stuck after the 1 s timeout (plus its grace), not later."""
+        import torch
         t0 = time.monotonic()
         while c._failed is None and time.monotonic() - t0 < 10:
             time.sleep(0.05)
@@ -566,6 +568,15 @@ if __name__ != "__main__":
         torch.cuda.synchronize()
         assert isinstance(c._failed, streamcoll.CollectiveTimeout), c._failed
         assert 1.0 <= took <= 4.0, took
+
+    @pytest.mark.cuda
+    def test_gpu_watchdog_aborts_stuck_async_work(monkeypatch):
+        """Async work whose completion event does not fire within the timeout
+        (the stream is held by a spinning kernel): the watchdog marks the
+        communicator failed and aborts it (ncclCommAbort)."""
+        c, t = _comm_behind_a_spinning_kernel(monkeypatch)
+        w = c.all_reduce(t, async_op=True)
+        _until_the_watchdog_fires(c)
         assert c._destroyed  # aborted: ncclCommAbort succeeded
         with pytest.raises(streamcoll.CommunicatorError):
             w.wait()
@@ -577,24 +588,10 @@ if __name__ != "__main__":
         finish within the timeout (the stream is held by a spinning kernel)
         is reported through its completion event; before, its host call had
         returned and nothing watched it."""
-        import torch
-        monkeypatch.setenv("STREAMCOLL_WATCHDOG", "fail")
-        monkeypatch.delenv("STREAMCOLL_NCCL_NONBLOCKING", raising=False)
-        monkeypatch.delenv("STREAMCOLL_SYNC_EVENTS", raising=False)
-        import torch.distributed as dist
-        c = streamcoll.new_communicator(backend="nccl", device="cuda:0", rank=0, world_size=1,
-                                        store=dist.HashStore(), timeout=1.0)
-        torch.cuda._sleep(_cycles(6.0))  # ~6 s
-        t = torch.ones(16, device="cuda:0")
+        c, t = _comm_behind_a_spinning_kernel(monkeypatch)
         c.all_reduce(t)  # returns at once: enqueued behind the sleep
         seq = c.seq
-        t0 = time.monotonic()
-        while c._failed is None and time.monotonic() - t0 < 10:
-            time.sleep(0.05)
-        took = time.monotonic() - t0
-        torch.cuda.synchronize()
-        assert isinstance(c._failed, streamcoll.CollectiveTimeout), c._failed
-        assert 1.0 <= took <= 4.0, took
+        _until_the_watchdog_fires(c)
         assert any(f"all_reduce (sequence number {seq})" in m and "sync (inline)" in m
                    for m in watchdog.WATCHDOG.fired)
 
