@@ -20,7 +20,7 @@ instantiates it for the general path (any plan) and :func:`build_fast_path`
 for each collective declared ``fast`` in :mod:`streamcoll.spec`, specialised
 per communicator (C function, handle, dtype table, argument order from the
 header), with the argument checks of the common case inlined. Anything the
-fast path does not take (a numpy array, a non-contiguous tensor, AVG,
+fast path does not take (a numpy array, a non-contiguous tensor, AVG of integers,
 ``async_op=True``, queued async work, a bad argument) falls through to the
 general method, which validates and reports. Both run the same template, so
 they cannot drift; ``tests/test_launch.py`` counts the Python frames entered
@@ -149,6 +149,23 @@ def build_sync_launcher(comm: Any) -> Callable[[str, Plan, Any], Any]:
     return _compile(src, "launch_sync", ns, f"launch_sync/{comm._device.type}")
 
 
+_FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+
+
+def _avg_spellings() -> List[Any]:
+    """AVG as streamcoll and torch.distributed spell it (the hashable ones)."""
+    from .ops import ReduceOp
+    out: List[Any] = [ReduceOp.AVG]
+    try:
+        import torch.distributed as dist
+        t = dist.ReduceOp.AVG
+        hash(t)
+        out.append(t)
+    except Exception:  # torch without distributed, or an unhashable spelling: the general path
+        pass
+    return out
+
+
 def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]) -> Optional[Callable[..., Any]]:
     """The generated synchronous fast path of ``spec`` for ``comm`` (None
     where the device or library has none: XPU, a missing C function)."""
@@ -194,6 +211,16 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         ns["_reds"] = {id(k): v for k, v in reds.items()}
         ns["_reds_alive"] = list(reds)
         conds.append("(r := (_SUMC if op is _SUM else _reds.get(id(op)))) is not None")
+        if "AVG" in cx.emulated:
+            # AVG the library lacks: SUM, then the division (what the general
+            # path's post-op does), for floating dtypes (integers: the
+            # general path's truncating division). Marked by r = -1.
+            avg = [a for a in _avg_spellings()]
+            ns["_reds"].update({id(a): -1 for a in avg})
+            ns["_reds_alive"] += avg
+            ns["_floats"] = _FLOATS
+            conds.append(f"(r >= 0 or {spec.send or spec.recv}.dtype in _floats)")
+            avg_out = spec.recv or spec.send
     peer = spec.root or next((p.name for p in spec.params if p.kind == "rank"), None)
     if peer is not None:
         conds.append(f"type({peer}) is int and 0 <= {peer} < _size")
@@ -216,6 +243,11 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         rhs = f"m_{other}" if other == cbuf else f"{other}.numel()"
         conds.append(f"{lhs} == {rhs}" + (" * _size" if rel == "size*" else ""))
     lines = [f"n = m_{cbuf}" + (" // _size" if how == "numel/size" else "")]
+    post = ""
+    if spec.reduces and "AVG" in cx.emulated:
+        lines += ["a = r < 0", "if a:", "    r = _SUMC"]
+        on_root = f" and {peer} == _rank" if spec.post_on_root_only and peer else ""
+        post = f"        if a{on_root}:\n            {avg_out}.div_(_size)\n"
     ptr_of: Dict[str, str] = {}
     for i, b in enumerate(dict.fromkeys(x for x in (spec.send, spec.recv) if x)):
         lines.append(f"p{i} = _ptrs({b}.data_ptr()) or _vp({b})")
@@ -234,7 +266,7 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
     ret = {"src": peer}.get(spec.returns, "None")
     body = SYNC_TEMPLATE.format(ready="True" if gpu else "not _rt._pending",
                                 p2p="\n    _comm._p2p += 1" if spec.p2p else "",
-                                name=repr(spec.name), keep=keep, call=call, cname=repr(spec.name), post="",
+                                name=repr(spec.name), keep=keep, call=call, cname=repr(spec.name), post=post,
                                 record=_record(comm) if gpu else "", ret=ret,
                                 not_ready="_lock.release()")
     sig = signature_text(spec)

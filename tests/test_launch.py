@@ -103,6 +103,14 @@ def test_synchronous_calls_enter_one_python_frame(monkeypatch):
             assert case.check(4) is None, name  # the four calls computed the right values
         general = _frames(c.all_reduce, np.ones(4, dtype=np.float32))
         assert general > 3
+        # AVG the library lacks (oneCCL): floats take the fast path (SUM, then the division
+        # inline), integers the general path (truncating division)
+        import torch.distributed as dist
+        t = torch.ones(4)
+        for avg in (streamcoll.ReduceOp.AVG, dist.ReduceOp.AVG):
+            assert _frames(c.all_reduce, t, avg) == 1
+            assert _frames(c.reduce_scatter_tensor, t, torch.ones(4), avg) == 1
+        assert _frames(c.all_reduce, torch.ones(4, dtype=torch.int32), streamcoll.ReduceOp.AVG) > 3
     finally:
         c.destroy()
 
