@@ -189,7 +189,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-
 def _sync_events_for(comm: Any) -> Any:
     """The completion events of a CUDA communicator's synchronous calls
     (:mod:`streamcoll.sync_events`), or None: not CUDA, disabled with
@@ -206,6 +205,7 @@ def _sync_events_for(comm: Any) -> Any:
         log.warning("streamcoll: communicator %r records no completion events for synchronous calls (%s); the "
                     "watchdog cannot see such calls hang without an asynchronous error", comm.name, e)
         return None
+
 
 class Communicator(CollectiveMethods):
     """A communicator over ``size`` ranks on one device.

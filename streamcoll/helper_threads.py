@@ -27,6 +27,8 @@ import logging
 import threading
 from typing import Optional
 
+import torch
+
 __all__ = ["prepare", "set_thread_local_capture_mode", "thread_mode"]
 
 log = logging.getLogger("streamcoll")
@@ -53,8 +55,6 @@ def prepare(device_index: Optional[int]) -> None:
     """Before a helper thread's CUDA calls for a communicator on CUDA device
     ``device_index``: use that device, and (once per thread) thread-local
     capture mode. Cheap when already done: a comparison and an attribute read."""
-    import torch
-
     if device_index is not None and torch.cuda.current_device() != device_index:
         torch.cuda.set_device(device_index)
     if getattr(_local, "mode", None) is not None:

@@ -34,6 +34,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from .ops import ReduceOp
+from .plans import FLOATS
 from .recorder import FlightEntry
 from .spec import CollectiveSpec, Plan, c_roles, signature_text
 
@@ -108,7 +110,7 @@ def _namespace(comm: Any) -> Dict[str, Any]:
     fr = comm._flight
     ns = {
         "_comm": comm, "_fr": fr, "_ring": fr.ring, "_mask": fr.mask, "_lock": comm._rt.exec_lock,
-        "_rt": comm._rt, "_Entry": FlightEntry, "_Tensor": torch.Tensor, "_strided": torch.strided,
+        "_rt": comm._rt, "_Entry": FlightEntry, "_Tensor": torch.Tensor,
         "_now": time.monotonic_ns,
     }
     if comm._sync_events is not None:
@@ -147,23 +149,6 @@ def build_sync_launcher(comm: Any) -> Callable[[str, Plan, Any], Any]:
                                 post=post, record="" if cpu else _record(comm), ret="None", not_ready=not_ready)
     src = "def launch_sync(name, plan, stream):\n" + head + _indent(body, 4)
     return _compile(src, "launch_sync", ns, f"launch_sync/{comm._device.type}")
-
-
-_FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
-
-
-def _avg_spellings() -> List[Any]:
-    """AVG as streamcoll and torch.distributed spell it (the hashable ones)."""
-    from .ops import ReduceOp
-    out: List[Any] = [ReduceOp.AVG]
-    try:
-        import torch.distributed as dist
-        t = dist.ReduceOp.AVG
-        hash(t)
-        out.append(t)
-    except Exception:  # torch without distributed, or an unhashable spelling: the general path
-        pass
-    return out
 
 
 def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]) -> Optional[Callable[..., Any]]:
@@ -211,16 +196,16 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         ns["_reds"] = {id(k): v for k, v in reds.items()}
         ns["_reds_alive"] = list(reds)
         conds.append("(r := (_SUMC if op is _SUM else _reds.get(id(op)))) is not None")
-        if "AVG" in cx.emulated:
-            # AVG the library lacks: SUM, then the division (what the general
-            # path's post-op does), for floating dtypes (integers: the
-            # general path's truncating division). Marked by r = -1.
-            avg = [a for a in _avg_spellings()]
-            ns["_reds"].update({id(a): -1 for a in avg})
-            ns["_reds_alive"] += avg
-            ns["_floats"] = _FLOATS
-            conds.append(f"(r >= 0 or {spec.send or spec.recv}.dtype in _floats)")
-            avg_out = spec.recv or spec.send
+    # AVG the library lacks: SUM, then the division (what the general path's
+    # post-op does), for floating dtypes (integers: the general path's
+    # truncating division). Marked by r = -1.
+    fast_avg = spec.reduces and "AVG" in cx.emulated
+    if fast_avg:
+        avg = cx.spellings(ReduceOp.AVG)
+        ns["_reds"].update({id(a): -1 for a in avg})
+        ns["_reds_alive"] += avg
+        ns["_floats"] = FLOATS
+        conds.append(f"(r >= 0 or {send}.dtype in _floats)")
     peer = spec.root or next((p.name for p in spec.params if p.kind == "rank"), None)
     if peer is not None:
         conds.append(f"type({peer}) is int and 0 <= {peer} < _size")
@@ -244,10 +229,10 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         conds.append(f"{lhs} == {rhs}" + (" * _size" if rel == "size*" else ""))
     lines = [f"n = m_{cbuf}" + (" // _size" if how == "numel/size" else "")]
     post = ""
-    if spec.reduces and "AVG" in cx.emulated:
+    if fast_avg:
         lines += ["a = r < 0", "if a:", "    r = _SUMC"]
         on_root = f" and {peer} == _rank" if spec.post_on_root_only and peer else ""
-        post = f"        if a{on_root}:\n            {avg_out}.div_(_size)\n"
+        post = f"        if a{on_root}:\n            {spec.recv or spec.send}.div_(_size)\n"
     ptr_of: Dict[str, str] = {}
     for i, b in enumerate(dict.fromkeys(x for x in (spec.send, spec.recv) if x)):
         lines.append(f"p{i} = _ptrs({b}.data_ptr()) or _vp({b})")

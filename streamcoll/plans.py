@@ -25,7 +25,8 @@ __all__ = ["PlanContext"]
 
 _Tensor = torch.Tensor
 _strided = torch.strided
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The floating dtypes AVG divides and PREMUL_SUM scales (also the fast paths' AVG).
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @functools.lru_cache(maxsize=None)
@@ -181,10 +182,10 @@ class PlanContext:
                                 f"on backend {b.name!r} (SUM, PRODUCT, MIN, MAX are)")
             spec = (b.bool_ops[name], None, 1.0)
         elif name in ("AVG", "PREMUL_SUM") and (name in self.emulated or name == "PREMUL_SUM"):
-            if name == "PREMUL_SUM" and dtype not in _FLOATS:
+            if name == "PREMUL_SUM" and dtype not in FLOATS:
                 raise TypeError(f"op: PREMUL_SUM needs a floating dtype in {opname}, got {dtype} "
                                 f"on backend {b.name!r}")
-            if name == "AVG" and dtype not in _FLOATS and dtype not in self.dtypes:
+            if name == "AVG" and dtype not in FLOATS and dtype not in self.dtypes:
                 raise TypeError(f"op: AVG is not supported for {dtype} in {opname} on backend {b.name!r}")
             spec = (b.ops["SUM"], name, factor)  # SUM, then scale the result on the same stream
         else:
@@ -192,27 +193,30 @@ class PlanContext:
         self.op_cache[key] = spec
         return spec
 
+    @staticmethod
+    def spellings(m: ReduceOp) -> List[Any]:
+        """``m`` as streamcoll and torch.distributed spell it (the hashable
+        spellings: what a fast path can look up by identity)."""
+        out: List[Any] = [m]
+        try:
+            import torch.distributed as dist
+            t = getattr(dist.ReduceOp, m.name)
+            hash(t)
+            out.append(t)
+        except Exception:  # torch without distributed, no such op, or an unhashable spelling
+            pass
+        return out
+
     def direct_reductions(self) -> Dict[Any, int]:
         """Hashable op spellings -> C reduction for ops this library runs
         as they are on non-bool dtypes (what the generated fast paths take;
         AVG/PREMUL emulation and bool go the general way)."""
         out: Dict[Any, int] = {}
-        try:
-            import torch.distributed as dist
-            torch_ops = dist.ReduceOp
-        except Exception:  # pragma: no cover - torch without distributed
-            torch_ops = None
         for m in ReduceOp:
             if m is ReduceOp.PREMUL_SUM or (m.value in self.emulated):
                 continue
-            out[m] = self.backend.ops[m.value]
-            if torch_ops is not None and hasattr(torch_ops, m.name):
-                t = getattr(torch_ops, m.name)
-                try:
-                    hash(t)
-                    out[t] = self.backend.ops[m.value]
-                except TypeError:
-                    pass
+            for k in self.spellings(m):
+                out[k] = self.backend.ops[m.value]
         return out
 
     def post(self, kind: Optional[str], factor: float, out: torch.Tensor,
@@ -221,7 +225,7 @@ class PlanContext:
             return None
         if kind == "AVG":
             n = self.size
-            if out.dtype in _FLOATS:
+            if out.dtype in FLOATS:
                 return lambda: out.div_(n)
             return lambda: out.copy_(torch.div(out, n, rounding_mode="trunc"))
         return lambda: out.mul_(factor)

@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Dict, List, Optional
+
+import torch
 
 from .env_vars import read_int
 
@@ -133,8 +136,6 @@ class SyncEvents:
     def recorder(self):  # type: ignore[no-untyped-def]
         """``record(e, seq, hs)``: :meth:`source` as a function (the same
         code the launchers inline; for tests and tools)."""
-        import time
-
         ns = dict(self.namespace(), _now=time.monotonic_ns)
         src = "def record(e, seq, hs):\n" + "".join("    " + ln + "\n" for ln in self.source().splitlines())
         exec(compile(src, "<streamcoll sync events>", "exec"), ns)
@@ -158,8 +159,6 @@ class SyncEvents:
         return ev
 
     def _create(self) -> SlotEvent:
-        import torch
-
         # An event belongs to the current device's context: create it on the communicator's.
         with torch.cuda.device(self.device_index):
             rc = self.lib.cudaEventCreateWithFlags(self._new, self._flags)
