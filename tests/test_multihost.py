@@ -201,6 +201,7 @@ if __name__ != "__main__":
 
     import netns
     from conftest import needs_oneccl
+    from world import kill_sessions
 
     _WHY = netns.unavailable()
     pytestmark = [needs_oneccl, pytest.mark.multihost, pytest.mark.world,
@@ -244,13 +245,7 @@ if __name__ != "__main__":
                 time.sleep(0.05)
 
         def kill(self) -> None:
-            for p in self.procs:
-                if p.poll() is None:
-                    try:
-                        os.killpg(p.pid, signal.SIGKILL)  # its own session: this host and nothing else
-                    except ProcessLookupError:
-                        pass
-                    p.wait(10)
+            kill_sessions(self.procs)
 
         def result(self, r: int) -> dict:
             path = os.path.join(self.dir, f"rank{r}.json")

@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from world import LOOPBACK_ENV, free_port  # noqa: E402
+from world import LOOPBACK_ENV, free_port, kill_sessions  # noqa: E402
 
 EXIT_CODE = 86  # streamcoll.watchdog.EXIT_CODE (checked below)
 
@@ -205,13 +205,7 @@ if __name__ != "__main__":
                 time.sleep(0.05)
 
         def kill(self) -> None:
-            for p in self.procs:
-                if p.poll() is None:
-                    try:
-                        os.killpg(p.pid, signal.SIGKILL)  # its own session: the rank and nothing else
-                    except ProcessLookupError:
-                        pass
-                    p.wait(10)
+            kill_sessions(self.procs)
 
         def rc(self, r: int) -> Optional[int]:
             return self.procs[r].returncode

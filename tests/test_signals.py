@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from world import LOOPBACK_ENV, free_port  # noqa: E402
+from world import LOOPBACK_ENV, free_port, kill_sessions  # noqa: E402
 
 
 def _out(name: str, data: dict) -> None:
@@ -146,13 +146,7 @@ if __name__ != "__main__":
             return time.monotonic() - t0
 
         def kill(self) -> None:
-            for p in self.procs:
-                if p.poll() is None:
-                    try:
-                        os.killpg(p.pid, signal.SIGKILL)  # its own session: the rank and nothing else
-                    except ProcessLookupError:
-                        pass
-                    p.wait(10)
+            kill_sessions(self.procs)
 
         def text(self, what: str, r: int) -> str:
             with open(os.path.join(self.dir, f"{what}{r}")) as f:

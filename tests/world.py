@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import time
@@ -30,6 +31,19 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def kill_sessions(procs: List[Any]) -> None:
+    """SIGKILL each still-running ``subprocess.Popen`` of ``procs`` with its
+    whole session (each was started with ``start_new_session=True``: the
+    rank, or a simulated host, and nothing else), then reap it."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(10)
 
 
 class ChildError(AssertionError):
