@@ -751,7 +751,7 @@ class Communicator(CollectiveMethods):
                         fut.set_exception(e)
                     return
                 w._set_future()
-            threading.Thread(target=_poll, daemon=True, name="streamcoll-future").start()
+            helper_threads.Thread(target=_poll, daemon=True, name="streamcoll-future").start()
 
     def comm_stream(self, current: Any = None) -> Any:
         """The comm stream serving ``current`` (a stream of this device;

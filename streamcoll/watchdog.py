@@ -206,7 +206,7 @@ class Watchdog:
 
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._loop, name="streamcoll-watchdog", daemon=True)
+            self._thread = helper_threads.Thread(target=self._loop, name="streamcoll-watchdog", daemon=True)
             self._thread.start()
 
     def _interval(self, comms: List[Any]) -> float:

@@ -17,6 +17,7 @@ import time
 import types
 
 import pytest
+import torch
 
 import streamcoll
 from streamcoll import helper_threads, recorder, watchdog
@@ -90,7 +91,7 @@ def test_prepare_sets_the_mode_once_per_thread_and_warns_once(monkeypatch, caplo
 
     with caplog.at_level(logging.WARNING, logger="streamcoll"):
         for n in ("h1", "h2"):
-            t = threading.Thread(target=helper, args=(n,), name=n)
+            t = helper_threads.Thread(target=helper, args=(n,), name=n)
             t.start()
             t.join(10)
     assert calls == ["h1", "h2"]  # once per thread
@@ -101,6 +102,129 @@ def test_prepare_sets_the_mode_once_per_thread_and_warns_once(monkeypatch, caplo
         warnings = [r.getMessage() for r in caplog.records if "thread-local CUDA graph capture" in r.getMessage()]
         assert len(warnings) == 1, warnings  # once per process
         assert "cudaErrorInsufficientDriver" in warnings[0] and "capture_error_mode='thread_local'" in warnings[0]
+
+
+def test_prepare_leaves_a_users_thread_alone(monkeypatch):
+    """Issue 27 (5): prepare() on a thread that is not streamcoll's (a user
+    calling REAPER.reap() on the main thread) must not switch that thread's
+    capture mode or device; before, it did, and a later
+    ``thread_mode() is None`` on the main thread failed."""
+    calls = []
+    monkeypatch.setattr(helper_threads, "set_thread_local_capture_mode", lambda: calls.append(1) or 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(helper_threads, "_local", threading.local())
+    out = {}
+
+    def user() -> None:
+        helper_threads.prepare(3)
+        out["mode"], out["helper"] = helper_threads.thread_mode(), helper_threads.is_helper()
+
+    t = threading.Thread(target=user, name="users-thread")
+    t.start()
+    t.join(10)
+    assert out == {"mode": None, "helper": False} and calls == []
+
+    def helper() -> None:
+        helper_threads.prepare(3)
+        out["mode"], out["helper"] = helper_threads.thread_mode(), helper_threads.is_helper()
+
+    t = helper_threads.Thread(target=helper, name="streamcoll-helper")
+    t.start()
+    t.join(10)
+    assert out == {"mode": 0, "helper": True} and calls == [("set_device", 3), 1]
+
+
+def test_streamcolls_cuda_threads_are_helper_threads():
+    """The threads that call prepare() are started as helper_threads.Thread
+    (else prepare() would now do nothing on them)."""
+    import inspect
+    from streamcoll import communicator, watchdog as wd, work
+    for mod, name in ((work, "streamcoll-reaper"), (wd, "streamcoll-watchdog"), (communicator, "streamcoll-future")):
+        src = inspect.getsource(mod)
+        i = src.index(f'name="{name}"')
+        assert "helper_threads.Thread(" in src[max(0, i - 120):i], name
+
+
+class _StandInRuntime:
+    """Pure logic stand-in for libcudart's last-error and device calls (the
+    real runtime needs a GPU for a pending event)."""
+
+    def __init__(self, current: int = 0) -> None:
+        self.last, self.current, self.calls = 0, current, []
+
+    def cudaEventQuery(self, h):
+        self.calls.append("query")
+        self.last = 600  # cudaErrorNotReady, kept as the thread's last error
+        return 600
+
+    def cudaPeekAtLastError(self):
+        return self.last
+
+    def cudaGetLastError(self):
+        self.calls.append("clear")
+        r, self.last = self.last, 0
+        return r
+
+    def cudaGetDevice(self, p):
+        p[0] = self.current
+        return 0
+
+    def cudaSetDevice(self, d):
+        self.calls.append(("set", d))
+        self.current = d
+        return 0
+
+    def cudaEventRecord(self, ev, cs):
+        self.calls.append(("record", self.current))
+        return 0
+
+    def cudaStreamIsCapturing(self, cs, status):
+        status[0] = 0
+        return 0
+
+
+def _stand_in_events(current: int, device: int):
+    from streamcoll.sync_events import SyncEvents
+    _need_cudart()
+    sev = SyncEvents(16, device)
+    sev.lib = _StandInRuntime(current)
+    return sev
+
+
+def test_a_pending_query_leaves_no_last_error():
+    """Issue 27 (4): cudaEventQuery's not-ready stays the thread's last
+    error, and torch's next launch check would raise it as its own; the
+    query clears it (as torch's CUDAEvent::query does)."""
+    from streamcoll.sync_events import SlotEvent
+    sev = _stand_in_events(0, 0)
+    sev.not_ready = 600
+    assert SlotEvent("h", sev).query() is False
+    assert sev.lib.last == 0 and sev.lib.calls == ["query", "clear"]
+    sev.lib.last = 700  # someone else's error is not ours to clear
+    sev.clear_last_error(1)
+    assert sev.lib.last == 700
+
+
+def test_legacy_stream_events_are_recorded_on_the_communicators_device():
+    """Issue 27 (3): on the legacy stream (handle 0) the event is recorded
+    with the communicator's device current, then the caller's device is
+    restored; on another device's thread the record failed before."""
+    sev = _stand_in_events(current=0, device=1)
+    ev = types.SimpleNamespace(handle="h")
+    assert sev.record_on_device(ev, 0) == 0
+    assert sev.lib.calls == [("set", 1), ("record", 1), ("set", 0)] and sev.lib.current == 0
+    # the statements the generated launchers inline, on the legacy stream from device 0's thread
+    from streamcoll.sync_events import SlotEvent
+    sev.lib.calls.clear()
+    sev.slots[5 & sev.mask] = slot = SlotEvent("h", sev)
+    e = recorder.FlightEntry(seq=5)
+    sev.recorder()(e, 5, 0)
+    assert e.event is slot and sev.lib.calls == [("set", 1), ("record", 1), ("set", 0)]
+    sev.lib.calls.clear()
+    sev.lib.current = 1  # already on the communicator's device: no switch
+    sev.recorder()(e, 5, 0)
+    assert sev.lib.calls == [("record", 1)]
 
 
 def test_every_cuda_helper_thread_prepares_before_querying(monkeypatch):
