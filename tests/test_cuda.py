@@ -245,6 +245,24 @@ def test_sync_events_from_a_thread_on_another_device():
         c.destroy()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_premul_sum_is_nccls_own(comm, dtype):
+    """Issue 27 (7): premul_sum runs as NCCL's PreMulSum (created per launch),
+    sync and async, in place and out of place, values as torch computes them
+    (x * f, rounded once, in the tensor's dtype)."""
+    x = torch.full((1024,), 6.0e4 if dtype == torch.float16 else 3.0, dtype=dtype, device="cuda")
+    want = x * 0.25
+    y = x.clone()
+    comm.all_reduce(y, op=streamcoll.premul_sum(0.25))
+    assert torch.equal(y, want)
+    y = x.clone()
+    comm.all_reduce(y, op=streamcoll.premul_sum(0.25), async_op=True).wait()
+    assert torch.equal(y, want)
+    out = torch.empty_like(x)
+    comm.reduce_scatter_tensor(out, x, op=streamcoll.premul_sum(0.25))
+    assert torch.equal(out, want)
+
+
 def test_helper_thread_queries_do_not_invalidate_a_global_capture(comm):
     """Issue 12 (3): the reaper polls a pending event every 2 ms while the
     main thread captures a graph in torch's default global mode. Its thread

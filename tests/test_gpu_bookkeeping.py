@@ -401,3 +401,63 @@ def test_the_generated_cuda_launcher_with_events_compiles():
         src = "def f(t, hs):\n" + launch._indent(body, 4)
         compile(src, "<test>", "exec")
         assert "_sev_record(ev.handle, cs)" in src and ("k % _sev_every" in src) == (n != 1)
+
+
+# ---- issue 27 (7): PREMUL_SUM on NCCL is NCCL's own (premultiplied) ------------
+def _nccl_plan_context(size: int = 8):
+    from streamcoll._ffi.nccl import NCCL
+    from streamcoll.backends import get_backend
+    from streamcoll.plans import PlanContext
+    if not NCCL.is_available():
+        pytest.skip("NCCL not loadable: " + "; ".join(getattr(NCCL, "tried", [])))
+    comm = types.SimpleNamespace(_backend=get_backend("nccl"), _lib=NCCL.lib(), _rank=0, _size=size,
+                                 _device=torch.device("cuda", 0), _gpu=True, _handle=None)
+    return PlanContext(comm), NCCL
+
+
+def test_premul_sum_on_nccl_is_the_librarys_own():
+    """The reduction NCCL gets for premul_sum(f) is a PreMulSum op made per
+    launch (ncclRedOpCreatePreMulSum, host-immediate scalar), not SUM
+    followed by a multiplication (which overflows fp16 where torch's
+    premultiplication does not); before, it was always (SUM, 'PREMUL_SUM')."""
+    ctx, _ = _nccl_plan_context()
+    for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        assert ctx.reduction(streamcoll.premul_sum(0.125), dt, "all_reduce") == (None, "NATIVE_PREMUL", 0.125)
+    with pytest.raises(TypeError, match="op: PREMUL_SUM needs a floating dtype"):
+        ctx.reduction(streamcoll.premul_sum(0.5), torch.int32, "all_reduce")
+    assert ctx.reduction(streamcoll.ReduceOp.AVG, torch.float16, "all_reduce")[1] is None  # NCCL's own AVG
+
+
+def test_premul_launch_creates_calls_and_destroys_the_op():
+    """plans._premul: create (scalar, dtype, host-immediate, comm), the
+    collective with that op in its op argument, destroy, in that order; a
+    failed creation returns its result without calling the collective. The
+    real ncclRedOpCreatePreMulSum refuses a NULL communicator."""
+    from streamcoll.plans import _premul
+    ctx, nccl = _nccl_plan_context()
+    calls = []
+
+    def create(opp, scalar, dtype, residence, comm):
+        calls.append(("create", scalar, dtype, residence, comm))
+        opp[0] = 41
+        return 0
+
+    def coll(*args):
+        calls.append(("call",) + args)
+        return 0
+
+    def destroy(op, comm):
+        calls.append(("destroy", op, comm))
+        return 0
+
+    fn = _premul(coll, create, destroy, nccl.ffi, "S", 7, 1, "C", 4)
+    assert fn("send", "recv", 16, 7, 0, "C", "stream") == 0
+    assert calls == [("create", "S", 7, 1, "C"), ("call", "send", "recv", 16, 7, 41, "C", "stream"), ("destroy", 41, "C")]
+    lib = nccl.lib()
+    scalar = torch.tensor([0.5], dtype=torch.float32)
+    ran = []
+    fn = _premul(lambda *a: ran.append(a) or 0, lib.ncclRedOpCreatePreMulSum, lib.ncclRedOpDestroy, nccl.ffi,
+                 nccl.ffi.cast("void *", scalar.data_ptr()), nccl.const("ncclFloat32"),
+                 nccl.const("ncclScalarHostImmediate"), nccl.ffi.NULL, 4)
+    rc = fn(None, None, 1, 0, 0, nccl.ffi.NULL, None)
+    assert rc == nccl.const("ncclInvalidArgument") and ran == []
