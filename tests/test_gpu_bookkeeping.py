@@ -461,3 +461,87 @@ def test_premul_launch_creates_calls_and_destroys_the_op():
                  nccl.const("ncclScalarHostImmediate"), nccl.ffi.NULL, 4)
     rc = fn(None, None, 1, 0, 0, nccl.ffi.NULL, None)
     assert rc == nccl.const("ncclInvalidArgument") and ran == []
+
+
+# ---- issue 27 (2): a non-blocking NCCL failure goes through the Communicator ---
+class _PoisoningNccl:
+    """Pure-logic stand-in for NCCL's non-blocking state calls: abort frees
+    (poisons) the handle, and any later call on it is recorded as a use after
+    free. The real thing needs a GPU (tests/test_reliability.py's cuda tests)."""
+
+    def __init__(self, state: int) -> None:
+        self.state, self.freed, self.uaf, self.calls = state, set(), [], []
+
+    def ncclCommGetAsyncError(self, h, out):
+        if h in self.freed:
+            self.uaf.append("ncclCommGetAsyncError")
+        out[0] = self.state
+        return 0
+
+    def ncclCommAbort(self, h):
+        self.calls.append("abort")
+        if h in self.freed:
+            self.uaf.append("ncclCommAbort")
+        self.freed.add(h)
+        return 0
+
+
+def _nonblocking_stand_in(state: int):
+    from streamcoll._ffi.nccl import NCCL
+    if not NCCL.is_available():
+        pytest.skip("NCCL not loadable")
+    lib = _PoisoningNccl(state)
+    binding = types.SimpleNamespace(const=NCCL.const, error=lambda f, rc, comm=None: NCCL.error(f, rc))
+    backend = types.SimpleNamespace(lib=lambda: lib, ffi=NCCL.ffi, binding=binding,
+                                    abort=lambda h: lib.ncclCommAbort(h) == 0)
+    order = []
+
+    class Comm:  # what make_nonblocking reads of a Communicator
+        _backend, _handle, timeout, rank, size = backend, 7, 0.05, 0, 1
+        failure = None
+
+        def register_rc_hook(self, h):
+            self.hook = h
+
+        def mark_failed(self, e):
+            order.append("mark_failed")
+            self.failure = e
+
+        def abort(self):
+            order.append("abort")
+            lib.ncclCommAbort(self._handle)
+            self._handle = None  # the Communicator drops the freed pointer
+
+    c = Comm()
+    watchdog.make_nonblocking(c)
+    return c, lib, order
+
+
+@pytest.mark.parametrize("case", ["error", "timeout"])
+def test_nonblocking_failure_marks_the_communicator_failed_before_the_abort(case):
+    """Before, nccl_wait_ready called ncclCommAbort itself and nothing marked
+    the Communicator failed: its handle, fast paths and watchdog registration
+    stayed live on the freed communicator. Now the hook goes through the
+    Communicator (mark_failed, then its abort, once)."""
+    from streamcoll._ffi.nccl import NCCL
+    in_progress = NCCL.const("ncclInProgress")
+    c, lib, order = _nonblocking_stand_in(NCCL.const("ncclSystemError") if case == "error" else in_progress)
+    with pytest.raises(Exception) as ei:
+        c.hook("all_reduce", in_progress)
+    assert order == ["mark_failed", "abort"] and lib.calls == ["abort"] and lib.uaf == []
+    assert c.failure is ei.value and c._handle is None
+    if case == "timeout":
+        assert isinstance(ei.value, streamcoll.CollectiveTimeout)
+    # what the watchdog does next with this communicator: nothing on the freed handle
+    assert watchdog._nccl_async_error(types.SimpleNamespace(
+        _backend=types.SimpleNamespace(name="nccl"), destroyed=False, failure=c.failure, _handle=c._handle)) is None
+
+
+def test_split_waits_for_a_nonblocking_child_before_a_communicator_holds_it():
+    """The child of a non-blocking split is polled ready (or aborted and
+    raised) before a Communicator is made for it, so the watchdog never
+    registers a handle that the failed wait freed."""
+    import inspect
+    from streamcoll.communicator import Communicator
+    src = inspect.getsource(Communicator.split)
+    assert src.index("nccl_wait_ready(") < src.index("child = Communicator(")
