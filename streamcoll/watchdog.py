@@ -68,7 +68,7 @@ import time
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from . import flight, helper_threads
+from . import flight, helper_threads, shm_regions
 from .errors import CollectiveTimeout
 
 __all__ = ["EXIT_CODE", "register", "handle_timeout", "skip_native_teardown", "guard", "mode", "Watchdog",
@@ -481,6 +481,7 @@ def _report(msg: str) -> None:
 
 def _exit_now(code: int = EXIT_CODE) -> None:
     """Flush Python's streams, then end the process without running teardown."""
+    shm_regions.remove_own(f"on the watchdog's exit (code {code})")
     for s in (sys.stdout, sys.stderr):
         try:
             s.flush()
