@@ -3,7 +3,19 @@ written by the launch path (:mod:`streamcoll.launch`), read by the watchdog
 and by the dumps and analysis of :mod:`streamcoll.flight` (where the layout
 and its costs are described). A module of its own so that importing
 streamcoll does not import :mod:`streamcoll.flight`, which runs as a command
-(``python -m streamcoll.flight``)."""
+(``python -m streamcoll.flight``).
+
+Where dumps go is decided here too (:func:`default_dir`,
+:func:`open_dump_dir`, :func:`write_private`), because a dump can be written
+into a place other users share: the default directory is this user's
+(``$XDG_RUNTIME_DIR/streamcoll-flight``, else
+``<tmp>/streamcoll-flight-<uid>``), created 0700; an existing one that is a
+symbolic link, not a directory or another user's is refused with a warning
+naming it, and the dump goes to a new private directory (``mkdtemp``) that
+the warning names, rather than failing: a dump is written when something
+already went wrong, and losing it would hide the cause. Dump files are 0600,
+created with ``O_EXCL|O_NOFOLLOW`` relative to the directory checked, and
+renamed into place."""
 from __future__ import annotations
 
 import errno

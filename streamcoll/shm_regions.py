@@ -139,7 +139,7 @@ def _owner_here(pid: int, made: float) -> str:
     made_boot = made - (time.clock_gettime(time.CLOCK_REALTIME) - time.clock_gettime(time.CLOCK_BOOTTIME))
     if started > made_boot:
         return f"pid {pid} reused since"
-    return f"pid {pid} running here (another PID namespace's region)"
+    return f"pid {pid} running here since before it was made: a region of another PID namespace"
 
 
 def _remove_unused(path: str, uid: int) -> Tuple[Optional[Region], str]:
