@@ -171,7 +171,7 @@ def skip_native_teardown() -> bool:
             import cffi
             ffi = cffi.FFI()
             ffi.cdef("int on_exit(void (*function)(int, void *), void *arg); void _exit(int);")
-            libc = ffi.dlopen(None)
+            libc: Any = ffi.dlopen(None)  # declares on_exit/_exit (cdef above)
             fp = ffi.cast("void (*)(int, void *)", ffi.addressof(libc, "_exit"))
             if libc.on_exit(fp, ffi.NULL) == 0:
                 _KEEP.append((ffi, libc, fp))
