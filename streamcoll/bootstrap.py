@@ -22,7 +22,7 @@ import torch
 
 from .backends import resolve
 from .communicator import Communicator, _seconds
-from . import env, topology
+from . import env, shm_regions, topology
 from .env_vars import read_int
 from .errors import BackendUnavailableError, CommunicatorError, RendezvousError, UsageError
 
@@ -65,6 +65,7 @@ def _native_entry(backend: str) -> Iterator[None]:
     if backend != "oneccl":
         yield
         return
+    shm_regions.before_first_init()  # the exit hook for libfabric's /dev/shm regions, stale ones swept
     with native_entry(), quiet_oneccl_startup():
         yield
 

@@ -32,8 +32,10 @@ TABLE: Tuple[EnvVar, ...] = (
     EnvVar("STREAMCOLL_WATCHDOG", "streamcoll", "exit",
            "`exit`: end a process whose call outlives the timeout (code 86); `fail`: mark the "
            "communicator failed only; `off`: no watchdog"),
-    EnvVar("STREAMCOLL_FLIGHT_DIR", "streamcoll", "<tmp>/streamcoll-flight",
-           "where flight-record dumps go"),
+    EnvVar("STREAMCOLL_FLIGHT_DIR", "streamcoll", "$XDG_RUNTIME_DIR/streamcoll-flight or <tmp>/streamcoll-flight-<uid>",
+           "where flight-record dumps go (files of mode 0600). The default directory is this user's, made "
+           "0700; one that is a link, not a directory or another user's is refused with a warning, and the "
+           "dump goes to a new private directory named in it"),
     EnvVar("STREAMCOLL_FLIGHT_SIZE", "streamcoll", "1024",
            "entries kept per communicator by the flight recorder"),
     EnvVar("STREAMCOLL_DEBUG_CHECKS", "streamcoll", "0",

@@ -38,7 +38,9 @@ aligned across ranks that took part in different sends/receives).
 Settings: ``STREAMCOLL_FLIGHT_SIZE`` (entries per communicator, rounded up to
 a power of two; default 1024; the minimum, 1, keeps only the latest operation,
 which is what the watchdog needs), ``STREAMCOLL_FLIGHT_DIR``
-(where dumps go; default ``<tmp>/streamcoll-flight``).
+(where dumps go; default: a private directory of this user,
+``$XDG_RUNTIME_DIR/streamcoll-flight`` or ``<tmp>/streamcoll-flight-<uid>``,
+see :func:`streamcoll.recorder.open_dump_dir`).
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ __all__ = [
 
 from .recorder import (  # noqa: F401  (re-exported)
     COMPLETED, ENQUEUED, FAILED, LAUNCHED, RUNNING, FlightEntry, FlightRecorder, _capacity, attach, default_dir,
-    now_ns, wref,
+    now_ns, open_dump_dir, write_private, wref,
 )
 
 P2P_OPS = spec.p2p_ops()
@@ -141,21 +143,22 @@ def dump(comm: Any, path: Optional[str] = None, reason: str = "on request") -> s
 
     ``path`` may be a directory (the file is then
     ``<communicator>.rank<r>.json`` in it) or a file name; default: the
-    directory :func:`default_dir` names.
+    directory :func:`default_dir` names, private to this user
+    (:func:`streamcoll.recorder.open_dump_dir` says what is refused and
+    where the dump then goes). The file is 0600, written under a temporary
+    name and renamed (:func:`streamcoll.recorder.write_private`).
     """
     if path is None or os.path.isdir(path) or str(path).endswith(os.sep):
-        d = default_dir() if path is None else str(path)
-        os.makedirs(d, exist_ok=True)
-        path = os.path.join(d, f"{_safe(comm.name)}.rank{comm._rank}.json")
+        dfd, d = open_dump_dir(None if path is None else str(path))
+        name = f"{_safe(comm.name)}.rank{comm._rank}.json"
     else:
-        parent = os.path.dirname(os.path.abspath(path))
-        os.makedirs(parent, exist_ok=True)
-    data = snapshot(comm, reason)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)  # never a half-written dump for the analysis to read
-    return str(path)
+        dfd, d = open_dump_dir(os.path.dirname(os.path.abspath(path)))
+        name = os.path.basename(path)
+    try:
+        write_private(dfd, name, json.dumps(snapshot(comm, reason), indent=1))
+    finally:
+        os.close(dfd)
+    return os.path.join(d, name)
 
 
 # ---------------------------------------------------------------- analysis

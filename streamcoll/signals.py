@@ -45,6 +45,8 @@ import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional
 
+from . import shm_regions
+
 __all__ = ["native_entry", "watch_interrupts", "INTERRUPT_GRACE_S"]
 
 log = logging.getLogger("streamcoll.signals")
@@ -75,7 +77,7 @@ def native_entry() -> Iterator[None]:
             for s, h in saved.items():
                 if h is not None:  # None: installed outside Python; not ours to redo
                     try:
-                        signal.signal(s, h)
+                        signal.signal(s, shm_regions.disposition(s, h))  # SIG_DFL: removes /dev/shm regions first
                     except (OSError, ValueError) as e:
                         log.debug("could not restore the handler of %s: %s", s.name, e)
             if fh:
@@ -219,6 +221,7 @@ def _end(signum: int, frame: Any, second: bool) -> None:
         "interrupted: %s. Likely cause: another rank died, hung or is not calling this collective. "
         "Ending the process now with exit code %d (no finally/atexit: the native call still runs).",
         name, how, what, code)
+    shm_regions.remove_own(f"on {name}")
     for s in (sys.stdout, sys.stderr):
         try:
             s.flush()

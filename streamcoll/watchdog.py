@@ -68,7 +68,7 @@ import time
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from . import flight, helper_threads
+from . import flight, helper_threads, shm_regions
 from .errors import CollectiveTimeout
 
 __all__ = ["EXIT_CODE", "register", "handle_timeout", "skip_native_teardown", "guard", "mode", "Watchdog",
@@ -171,7 +171,7 @@ def skip_native_teardown() -> bool:
             import cffi
             ffi = cffi.FFI()
             ffi.cdef("int on_exit(void (*function)(int, void *), void *arg); void _exit(int);")
-            libc = ffi.dlopen(None)
+            libc: Any = ffi.dlopen(None)  # declares on_exit/_exit (cdef above)
             fp = ffi.cast("void (*)(int, void *)", ffi.addressof(libc, "_exit"))
             if libc.on_exit(fp, ffi.NULL) == 0:
                 _KEEP.append((ffi, libc, fp))
@@ -481,6 +481,7 @@ def _report(msg: str) -> None:
 
 def _exit_now(code: int = EXIT_CODE) -> None:
     """Flush Python's streams, then end the process without running teardown."""
+    shm_regions.remove_own(f"on the watchdog's exit (code {code})")
     for s in (sys.stdout, sys.stderr):
         try:
             s.flush()

@@ -9,7 +9,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import cffi
 
@@ -117,7 +117,7 @@ class Binding:
         self.ffi.cdef(read_declarations(self.declarations))
         self._lock = threading.Lock()
         self._lib: Optional[_LazyLib] = None
-        self._raw = None
+        self._raw: Any = None  # the cffi Lib (typed by types-cffi's stubs where installed)
         self._error: Optional[LibraryNotFoundError] = None
         self.path: Optional[str] = None
         self.tried: List[str] = []
@@ -270,7 +270,8 @@ class Binding:
     def _cstr(self, p) -> str:
         if p == self.ffi.NULL:
             return ""
-        return self.ffi.string(p).decode("utf-8", "replace").strip()
+        s = self.ffi.string(p)  # bytes for char *
+        return (s.decode("utf-8", "replace") if isinstance(s, bytes) else s).strip()
 
     def version(self) -> int:
         """The library's version code (``probe_symbol`` is its GetVersion)."""

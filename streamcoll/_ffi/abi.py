@@ -35,7 +35,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import cffi
 from cffi import model
@@ -102,7 +102,7 @@ def _c_name(tp, alias: str, quals: int = 0) -> Optional[str]:
 class _Planner:
     def __init__(self, ffi: cffi.FFI) -> None:
         self.ffi = ffi
-        self.decls = ffi._parser._declarations
+        self.decls = cast(Any, ffi)._parser._declarations  # cffi's parsed cdef (no public accessor)
         self.plan = Plan()
         self.n = 0
         self.enumerators_done: set = set()
@@ -171,7 +171,7 @@ class _Planner:
             return
         try:
             ffi.sizeof(name)
-        except ffi.error:  # function type, void
+        except (cffi.CDefError, ValueError):  # function type (CDefError), void (ValueError)
             sized = False
         else:
             sized = True

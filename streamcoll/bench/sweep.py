@@ -44,7 +44,14 @@ from .cases import CASES, Context, batches, make_case
 from .machine import cpu_snapshot, cpu_usage, describe, loadavg, summary_line
 from .metrics import bus_factor, fmt_bytes, ratio, summarise
 
-__all__ = ["main", "parse_size", "sizes"]
+__all__ = ["main", "parse_size", "sizes", "figure_refusal", "QUIET_LOAD", "QUOTED_DIR"]
+
+#: The repository's ``benchmarks/results/``: the figures the READMEs quote.
+QUOTED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                          "benchmarks", "results")
+#: The highest 1-minute load average from other processes at which a quoted
+#: figure is written (see :func:`figure_refusal`).
+QUIET_LOAD = 1.0
 
 LOOPBACK = {"MASTER_ADDR": "127.0.0.1", "CCL_KVS_IFACE": "lo", "NCCL_SOCKET_IFNAME": "lo",
             "GLOO_SOCKET_IFNAME": "lo"}
@@ -129,6 +136,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.out:
         set_out(a, a.out)
     return a
+
+
+def figure_refusal(path: str, load_before: Optional[List[float]], load_after: Optional[List[float]],
+                   ranks: int) -> str:
+    """Why the plot ``path`` may not be written ('' if it may).
+
+    A plot in :data:`QUOTED_DIR` is what the READMEs show as streamcoll's
+    performance. On this project's 2-core machine, at a load average of
+    7.6-10 from other test runs, oneCCL's busy-waiting ranks lost their cores
+    and small messages took milliseconds, 5x gloo, under a table that said
+    the opposite: such a plot says nothing about the library. So a quoted
+    plot needs the 1-minute load average (:func:`streamcoll.bench.machine.loadavg`,
+    recorded in the JSON) at most :data:`QUIET_LOAD` before the run, and at
+    most that above the run's own busy ranks after it. Anywhere else
+    (``bench-results/``, a path of the user's) plots are written whatever
+    the load, which their title states.
+    """
+    root = os.path.realpath(QUOTED_DIR)
+    if os.path.commonpath([os.path.realpath(path), root]) != root:
+        return ""
+    if not load_before or not load_after:
+        return "the load average is unknown (a quoted figure needs a quiet machine)"
+    if load_before[0] > QUIET_LOAD:
+        return (f"the 1-minute load average was {load_before[0]:g} before the run; a quoted figure needs at most "
+                f"{QUIET_LOAD:g} (a quiet machine)")
+    if load_after[0] > QUIET_LOAD + ranks:
+        return (f"the 1-minute load average was {load_after[0]:g} after the run; a quoted figure needs at most "
+                f"{QUIET_LOAD + ranks:g} ({ranks} ranks' own load plus {QUIET_LOAD:g})")
+    return ""
 
 
 def set_out(a: argparse.Namespace, prefix: str) -> None:
@@ -464,9 +500,13 @@ def main(argv=None) -> int:
         f"cores busy {u.get('busy_pct')}%, stolen by the hypervisor {u.get('steal_pct')}%; "
         f"checks: {'FAILED' if failed else 'all ok'}")
     if rank == 0:
+        refused = figure_refusal(a.plot, load0, mach["loadavg_after"], n) if a.plot else ""
+        if refused:
+            out(f"# plot not written ({a.plot}): {refused}")
+            a.plot = None
         doc = {"meta": {"machine": mach, "world_size": n, "backend": comm.backend, "baseline": tlabel,
                         "args": {k: v for k, v in vars(a).items() if k not in ("out",)},
-                        "elapsed_s": elapsed, "command": " ".join(sys.argv)},
+                        "elapsed_s": elapsed, "command": " ".join(sys.argv), "plot_refused": refused or None},
                "summary": sm, "rows": rows}
         if a.json:
             _mkdir(a.json)
