@@ -246,7 +246,13 @@ class Agreed:
         return [t for k, t in self.conflicts.items() if AGREEMENT[k].library == backend]
 
     def to_json(self) -> Dict[str, object]:
+        """For a topology published through the store (plain JSON types)."""
         return {"values": self.values, "conflicts": self.conflicts}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, object]) -> "Agreed":
+        """The inverse of :meth:`to_json`."""
+        return cls(dict(d["values"]), dict(d["conflicts"]))  # type: ignore[call-overload]
 
 
 def _ranks(rs: Sequence[int]) -> str:

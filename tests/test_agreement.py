@@ -210,6 +210,23 @@ if __name__ != "__main__":
         assert agreed[0]["CCL_ALLREDUCE"] == ("nreduce" if offload == "1" else
                                               "recursive_doubling:0-16384;nreduce:16385-max"), agreed
 
+    @pytest.mark.parametrize("mnic", [None, "global"], ids=["no-CCL_MNIC", "CCL_MNIC"])
+    def test_ccl_mnic_gets_no_mnic_name(tmp_path, mnic):
+        """Two torchrun nodes on this machine (two hosts to streamcoll, the
+        interface reaching MASTER_ADDR is lo): CCL_MNIC_NAME=lo by default,
+        none where the user set CCL_MNIC (oneCCL's multi-NIC selection, which
+        one name would narrow to one interface); the sums are right."""
+        env = {"CCL_MNIC": mnic} if mnic else {}
+        per_rank = {r: {"GROUP_RANK": str(r), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"} for r in range(2)}
+        ranks = Ranks("sums", 2, tmp_path, env=env, per_rank=per_rank)
+        ranks.finish(120)
+        info = ranks.describe()
+        for r in range(2):
+            res = ranks.result(r)
+            assert res and all(e == 0 for e in res["errors"].values()), info
+            assert res["applied"].get("CCL_KVS_IFACE") == "lo" and res["applied"]["CCL_LOCAL_SIZE"] == "1", res
+            assert res["applied"].get("CCL_MNIC_NAME") == (None if mnic else "lo"), res
+
     def test_a_must_agree_variable_on_one_rank_is_refused_everywhere(tmp_path):
         """CCL_ALLREDUCE=ring on rank 1 only: both ranks raise before the
         native init (oneCCL installs its signal handlers there: none are),

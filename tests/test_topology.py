@@ -261,3 +261,14 @@ def test_simulated_hosts_get_a_clean_environment(monkeypatch):
     assert not {"CCL_KVS_IFACE", "NCCL_SOCKET_IFNAME", "FI_PROVIDER", "RANK", "GLOO_SOCKET_IFNAME"} & set(e)
     why = netns.unavailable()
     assert why is None or isinstance(why, str) and why  # a reason to skip with, or nothing
+
+
+def test_facts_and_agreement_travel_as_json():
+    """What a rank reports (its bound values, whether it applies defaults)
+    and what the topology decides survive the store's JSON."""
+    import json
+    f = dataclasses.replace(topology.local_facts(0), defaults=False,
+                            bound=(("CCL_ALLREDUCE", "ring", env.USER), ("CCL_YIELD", None, env.IN_EFFECT)))
+    assert RankFacts.from_json(f.to_json()) == f
+    a = Topology(_hosts([2, 1], bound={1: (("CCL_ATL_SHM", "0", env.USER),)}), rank=0).agreed
+    assert a.conflicts and env.Agreed.from_json(json.loads(json.dumps(a.to_json()))) == a
