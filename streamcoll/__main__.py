@@ -14,10 +14,11 @@ something does not load.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
-from typing import List, Optional, TextIO
+from typing import List, Optional, TextIO, Tuple
 
 
 def _library_report(binding, out: TextIO) -> None:
@@ -68,23 +69,29 @@ def _not_reached(binding) -> List[tuple]:
     return out
 
 
-def _would_apply(single_host: bool = True, several: Optional[dict] = None, local_size: int = 1) -> dict:
-    """The defaults env.apply_*_defaults would set for a communicator now
-    (``several``: the oneCCL and NCCL several-host tables), computed on a copy
-    of the environment and undone."""
-    from . import env
+def _would_apply(hosts: int = 1, local_size: int = 1, cpus: Optional[tuple] = None) -> dict:
+    """The defaults a communicator would get here now, for ``hosts`` hosts
+    of ``local_size`` ranks (this rank the first; ``cpus``: each rank's CPU
+    set, default this process's), computed by env's pure functions from
+    made-up facts of such ranks: nothing is set."""
+    from . import env, topology
 
-    saved_env, saved_applied = dict(os.environ), dict(env.APPLIED)
-    try:
-        env.APPLIED.clear()
-        env.apply_oneccl_defaults(single_host, 0, local_size, (several or {}).get("oneccl"))
-        env.apply_nccl_defaults(single_host, (several or {}).get("nccl"))
-        return dict(env.APPLIED)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved_env)
-        env.APPLIED.clear()
-        env.APPLIED.update(saved_applied)
+    me = topology.local_facts(0)  # a fresh process's: only the user's values are bound
+    me = dataclasses.replace(me, bound=tuple(b for b in me.bound if b[2] == env.USER))
+    cpus = tuple(me.cpus) if cpus is None else cpus
+    def made_up(r: int) -> "topology.RankFacts":
+        h = r // local_size  # host 0 is this machine; the others are machines of their own
+        if hosts == 1:
+            return dataclasses.replace(me, rank=r, pid=me.pid + r, cpus=cpus)
+        return dataclasses.replace(me, rank=r, pid=me.pid + r, cpus=cpus, identity=f"{me.identity} host={h}",
+                                   machine=me.machine if h == 0 else f"{me.machine} host={h}",
+                                   hostname=f"{me.hostname}-{h}")
+
+    facts = [made_up(r) for r in range(hosts * local_size)]
+    topo = topology.Topology(facts, 0)
+    out = env.plan(topo, "oneccl", running={})
+    out.update(env.plan(topo, "nccl", running={}))
+    return out
 
 
 def info(out: Optional[TextIO] = None) -> int:
@@ -122,7 +129,7 @@ def info(out: Optional[TextIO] = None) -> int:
           f"{var.default or 'none'}]\n")
     w("\n")
     if env.APPLIED:
-        w("defaults streamcoll applied in this process:\n")
+        w("defaults streamcoll applied in this process (around its native calls only; not inherited):\n")
         w("".join(f"  {k}={v}\n" for k, v in env.APPLIED.items()))
     would = _would_apply()
     if not env._enabled():
@@ -152,14 +159,12 @@ def _several_hosts_report(out: TextIO) -> None:
         w("route to the rendezvous: MASTER_ADDR not set (no interface defaults on several hosts)\n")
     else:
         w(f"route to the rendezvous: {route.describe()}\n")
-    iface = route.iface if route else None
-    cores = len(topology._cpus())
-    cases = [(f"2 hosts x {local} rank(s), a core each", local, False) for local in (1, 2)]
-    cases.append(("2 hosts x 2 ranks, more ranks on this machine than cores", 2, True))
-    for what, local, over in cases:
-        several = {"oneccl": env.several_hosts_oneccl(local, over or local > cores, iface, world_size=2 * local),
-                   "nccl": env.several_hosts_nccl(iface)}
-        would = _would_apply(False, several, local)
+    cores = topology._cpus()
+    cases: List[Tuple[str, int, Optional[Tuple[int, ...]]]] = [
+        (f"2 hosts x {local} rank(s), a core each", local, None) for local in (1, 2)]
+    cases.append(("2 hosts x 2 ranks, more ranks on this machine than cores", 2, cores[:1]))
+    for what, local, cpus in cases:
+        would = _would_apply(2, local, cpus)
         w(f"defaults on several hosts, e.g. {what} (only variables not set above):\n")
         w("".join(f"  {k}={v}\n" for k, v in would.items()) or "  none\n")
     w("  (hosts that share a hostname get no CCL_ATL_SHM: oneCCL groups shm peers by hostname)\n")

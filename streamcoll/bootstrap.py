@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -55,22 +55,27 @@ def _default_device(backend: Optional[str], local_rank: int) -> torch.device:
 
 
 @contextlib.contextmanager
-def _native_entry(backend: str) -> Iterator[None]:
-    """Around the calls that may be the process's first into the library:
+def _native_entry(backend: str, settings: Dict[str, str]) -> Iterator[None]:
+    """Around the calls that may be the process's first into the library
+    (the unique id, the communicator's init): streamcoll's environment
+    values are set for the call and removed after (:func:`env.applied`);
     oneCCL sets itself up there, printing a line on stdout (kept off it, see
     :mod:`streamcoll.logs`) and installing signal handlers (Python's are put
     back for SIGINT/SIGTERM, see :mod:`streamcoll.signals`)."""
     from .logs import quiet_oneccl_startup
     from .signals import native_entry
-    if backend != "oneccl":
-        yield
-        return
-    shm_regions.before_first_init()  # the exit hook for libfabric's /dev/shm regions, stale ones swept
-    with native_entry(), quiet_oneccl_startup():
-        yield
+    with env.applied(settings, backend):
+        if backend != "oneccl":
+            yield
+            return
+        shm_regions.before_first_init()  # the exit hook for libfabric's /dev/shm regions, stale ones swept
+        with native_entry(), quiet_oneccl_startup():
+            yield
 
 
 def _store_address() -> Tuple[str, int]:
+    """MASTER_ADDR and MASTER_PORT for the env:// store, which needs them:
+    a MASTER_PORT that is no integer is a ValueError naming it."""
     addr = os.environ.get("MASTER_ADDR", "")
     try:
         port = int(os.environ.get("MASTER_PORT", "-1"))
@@ -78,6 +83,17 @@ def _store_address() -> Tuple[str, int]:
         raise ValueError(f"environment variable MASTER_PORT: expected an integer port, "
                          f"got {os.environ.get('MASTER_PORT')!r}") from None
     return addr, port
+
+
+def _reported_address() -> Tuple[str, int]:
+    """MASTER_ADDR and MASTER_PORT for messages only, never raising: with
+    ``store=`` given they are not used, and may hold anything (Kubernetes
+    sets ``MASTER_PORT=tcp://10.96.0.5:29500`` for a Service named
+    "master"); a port that is no integer is reported as -1."""
+    try:
+        return _store_address()
+    except ValueError:
+        return os.environ.get("MASTER_ADDR", ""), -1
 
 
 def _first_lines(e: BaseException) -> str:
@@ -228,7 +244,7 @@ def _wait_all(pstore: Any, keys: List[str], rank: int, world_size: int, timeout:
                     err = _first_lines(e)
                 if missing == []:
                     break
-            addr, port = _store_address() if "MASTER_PORT" in os.environ else ("", -1)
+            addr, port = _reported_address() if "MASTER_PORT" in os.environ else ("", -1)
             where = f" at {addr}:{port}" if addr else ""
             env_ws = os.environ.get("WORLD_SIZE")
             shown = _ranks_text(missing)
@@ -291,9 +307,11 @@ def new_communicator(
         raise TypeError(f"backend: expected 'nccl', 'oneccl' or None, got {backend!r}")
     if store is None:
         _check_world_size(world_size)
-    local_rank = read_int("LOCAL_RANK", rank) or 0
+    def local_rank() -> int:  # read only where a device index is needed: a call that names one does not parse it
+        return read_int("LOCAL_RANK", rank) or 0
+
     if device is None:
-        device = _default_device(backend.lower() if backend else None, local_rank)
+        device = _default_device(backend.lower() if backend else None, local_rank())
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -305,7 +323,7 @@ def new_communicator(
         raise BackendUnavailableError(f"backend {b.name!r} on {device} needs a CUDA GPU: {why}; use "
                                       "backend='oneccl' (device 'cpu') here")
     if device.type in ("cuda", "xpu") and device.index is None:
-        device = torch.device(device.type, local_rank)
+        device = torch.device(device.type, local_rank())
 
     if store is None:
         store = _get_store(rank, world_size, t)
@@ -330,12 +348,15 @@ def new_communicator(
                              wait=lambda keys: _wait_all(pstore, keys, rank, world_size, t, cname))
     if b.name == "oneccl" and topo.name_clashes():  # every rank sees the same facts, so every rank raises
         raise CommunicatorError(f"init of communicator {cname!r}: {_clash_text(topo)}")
-    _apply_defaults(b.name, topo)
+    conflicts = topo.agreed.conflicts_for(b.name)
+    if conflicts:  # computed from every rank's facts: every rank raises, before the native init
+        raise CommunicatorError(f"init of communicator {cname!r}: {_conflict_text(conflicts)}")
+    settings = _settings(b.name, topo)
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
     if rank == 0:
-        with _native_entry(b.name):
+        with _native_entry(b.name, settings):
             uid = b.unique_id()
         pstore.set("uid", uid)  # type: ignore[arg-type]  # torch stores take bytes too
     else:
@@ -346,13 +367,14 @@ def new_communicator(
         raise CommunicatorError(f"init of communicator {cname!r}: {problem}. {_LOOPBACK_HINT}")
     from . import watchdog
     nonblocking = b.name == "nccl" and watchdog.nccl_nonblocking_requested()
-    pstore.set(f"init/{rank}", json.dumps({k: os.environ.get(k) for k in _IFACE_VARS}))
+    pstore.set(f"init/{rank}", json.dumps({k: os.environ.get(k, settings.get(k)) for k in _IFACE_VARS}))
     if nonblocking:  # polled with ncclCommGetAsyncError: times out with CollectiveTimeout
-        handle = b.init_rank(world_size, bytes(uid), rank, blocking=False, timeout=t)
+        with _native_entry(b.name, settings):  # NCCL's init reads its variables until it is ready
+            handle = b.init_rank(world_size, bytes(uid), rank, blocking=False, timeout=t)
     else:  # a blocking init whose peers never come must not hang silently
         what = f"init of communicator {cname!r} (rank {rank} of {world_size}, {b.name} on {device})"
         with watchdog.guard(what, t, lambda: _init_report(pstore, topo, advertised)):
-            with _native_entry(b.name):
+            with _native_entry(b.name, settings):
                 handle = b.init_rank(world_size, bytes(uid), rank)
     pstore.set(f"ready/{rank}", "1")
     comm = Communicator(b, device, handle, rank, world_size, t, record_stream, pstore, name=cname)
@@ -377,25 +399,23 @@ def _clash_text(topo: "topology.Topology") -> str:
             f"the ranks so that their process ids differ (containers started identically get identical ones)")
 
 
-def _apply_defaults(backend: str, topo: "topology.Topology") -> None:
-    """The environment defaults for this rank's place in ``topo``; logs them."""
-    before = set(env.APPLIED)
-    several = None
-    if not topo.single_host:
-        iface = topo.me.route.iface if topo.me.route else None
-        several = (env.several_hosts_oneccl(topo.local_size, topo.oversubscribed, iface,
-                                            shm=topo.hostnames_tell_hosts_apart, world_size=len(topo.facts))
-                   if backend == "oneccl"
-                   else env.several_hosts_nccl(iface))
-    if backend == "oneccl":
-        env.apply_oneccl_defaults(topo.single_host, topo.local_rank, topo.local_size, several)
-    else:
-        env.apply_nccl_defaults(topo.single_host, several)
+def _conflict_text(conflicts: List[str]) -> str:
+    return ("settings that must be equal on every rank differ: " + " | ".join(conflicts) + ". Ranks that "
+            "run different ones exchange mismatched messages (wrong results or a hang). Set each on every rank "
+            "alike, or on none (streamcoll then chooses one value for all); a value in effect since a process's "
+            "first oneCCL init stays for that process (oneCCL reads its variables once): make that "
+            "process's first communicator agree, or start it afresh")
+
+
+def _settings(backend: str, topo: "topology.Topology") -> Dict[str, str]:
+    """What streamcoll sets around this rank's native calls
+    (:func:`env.plan`); logged at debug level with the topology."""
+    settings = env.plan(topo, backend)
     if LOG.isEnabledFor(logging.DEBUG):
-        new = {k: v for k, v in env.APPLIED.items() if k not in before}
         route = topo.me.route.describe() if topo.me.route else "no rendezvous address"
         LOG.debug("rank %d: %s; route to the rendezvous: %s; defaults applied: %s", topo.rank, topo.summary(),
-                  route, " ".join(f"{k}={v}" for k, v in new.items()) or "none (already set or off)")
+                  route, " ".join(f"{k}={v}" for k, v in settings.items()) or "none (already set or off)")
+    return settings
 
 
 def _wait_uid(pstore: Any, rank: int, timeout: float, topo: "topology.Topology") -> bytes:
@@ -405,7 +425,7 @@ def _wait_uid(pstore: Any, rank: int, timeout: float, topo: "topology.Topology")
         raise RendezvousError(
             f"rendezvous failed on rank {rank}: rank 0 ({topo.describe_rank(0)}) did not publish the unique id "
             f"within {timeout:g} s (it creates it with the library's bootstrap; look at rank 0's error) "
-            f"({_first_lines(e)})", [0], *_store_address(), len(topo.facts), os.environ.get("WORLD_SIZE")) from None
+            f"({_first_lines(e)})", [0], *_reported_address(), len(topo.facts), os.environ.get("WORLD_SIZE")) from None
 
 
 def _init_report(pstore: Any, topo: "topology.Topology", advertised: Optional[tuple]) -> str:

@@ -1,32 +1,58 @@
-"""Environment defaults for the native libraries, applied before the first
-communicator is created (both libraries read their variables then).
+"""Environment defaults for the native libraries: which values, why, and how
+they reach the library without posing as the user's.
 
-Only variables the user has not set are touched, and every value applied is
-recorded in :data:`APPLIED` (``python -m streamcoll info`` prints them).
+**Two kinds of variable** (:data:`AGREEMENT` says which each is). Some must
+be equal on every rank: oneCCL's algorithm, worker offload, yield, ATL shm
+and transport. Ranks that run different all-reduce algorithms exchange
+mismatched messages (measured: 2 ranks, one pinned to a core, rank 0 chose
+recursive doubling and rank 1 nreduce; rank 0's sums were wrong by up to
+1e28, then rank 1 aborted with "SEND entry failed"); with ``CCL_ATL_SHM`` on
+one host of two and not the other, the other's init fails ("pmrt_kvs_get:
+decode failed"). So these are decided by one pure function of every rank's
+facts (:func:`agree`, run in :class:`~streamcoll.topology.Topology`), never
+from a measurement of the calling rank, and every rank computes the same
+value. A value the user set, or one in effect since the process's first
+oneCCL init (oneCCL reads its variables once per process), travels in the
+rank's facts (:func:`bound`); where the values in effect would differ
+between ranks, every rank refuses before the native init, naming the
+variable, the ranks and their values. The others (local rank, interfaces,
+log level) belong to the rank or its host and may differ.
 
-oneCCL, all ranks on one host (measured, 2 ranks, 2-core machine, raw C
-calls): with oneCCL's defaults a 1-element allreduce took 4.3 ms and a 4 MB one
-14-27 ms; with the values below 9 us and 0.42 ms.
+**Applied, not left behind** (:func:`applied`): streamcoll sets its values
+only around the native calls that read them (the unique id and the
+communicator's init: oneCCL reads its variables at its global init inside
+the process's first ``onecclGetUniqueId``/``onecclCommInitRank``, NCCL its
+own in ``ncclGetUniqueId``/``ncclCommInitRank``) and removes them after, so
+child processes do not inherit them and a later communicator does not take
+them for the user's. :data:`APPLIED` records what was set (``python -m
+streamcoll info`` prints it). Only variables the user has not set are
+touched; ``STREAMCOLL_NO_ENV_DEFAULTS=1`` turns the defaults off.
+
+The values, oneCCL, all ranks on one host (measured, 2 ranks, 2-core
+machine, raw C calls): with oneCCL's defaults a 1-element allreduce took 4.3
+ms and a 4 MB one 14-27 ms; with the values below 9 us and 0.42 ms.
 
 - ``CCL_WORKER_OFFLOAD=0``: run collectives on the calling thread instead of
   handing them to oneCCL's worker thread (the hand-off dominates small calls).
   That thread then spins until the peers arrive, which is right only while
-  every local rank has a core of its own.
-- More local ranks than usable cores (``os.sched_getaffinity``):
-  ``CCL_WORKER_OFFLOAD=1`` and ``CCL_YIELD=sched_yield`` instead, so a waiting
-  rank gives its core to the rank it waits for. Measured, 3 ranks on 2 cores
-  (streamcoll, all_reduce): 4 B 4.8 ms -> 0.18 ms, 1 MB busbw 0.17 -> 1.2
-  GB/s; spinning inline, gloo was 5x faster than oneCCL there. With 2 ranks on
-  2 cores the inline spin stays far ahead (4 B 13 us vs 80 us).
+  every rank has a core of its own.
+- Oversubscribed (on some machine, the ranks' CPU sets cannot give each rank
+  a core of its own, :func:`streamcoll.topology.core_each`):
+  ``CCL_WORKER_OFFLOAD=1`` and ``CCL_YIELD=sched_yield`` instead, on every
+  rank, so a waiting rank gives its core to the rank it waits for. Measured,
+  3 ranks on 2 cores (streamcoll, all_reduce): 4 B 4.8 ms -> 0.18 ms, 1 MB
+  busbw 0.17 -> 1.2 GB/s; spinning inline, gloo was 5x faster than oneCCL
+  there. With 2 ranks on 2 cores the inline spin stays far ahead (4 B 13 us
+  vs 80 us).
 - ``CCL_ATL_SHM=1`` and ``FI_PROVIDER=shm``: shared memory transport; only
-  valid when every rank is on this host, so applied only then.
+  valid when every rank is on one host, so applied only then.
 - ``CCL_KVS_IFACE=lo``: the key-value store of the unique id listens on
   loopback (single host only).
-- ``CCL_LOCAL_RANK``/``CCL_LOCAL_SIZE`` from torchrun's LOCAL_RANK and
-  LOCAL_WORLD_SIZE (oneCCL warns and probes without them).
+- ``CCL_LOCAL_RANK``/``CCL_LOCAL_SIZE``: the rank's place on its host
+  (oneCCL warns and probes without them).
 - ``CCL_ALLREDUCE``, chosen per message size (oneCCL's ``algo:lo-hi;...``
   ranges, bytes): ``recursive_doubling:0-16384;nreduce:16385-max`` when the
-  local ranks are a power of two with a core each, else ``nreduce``.
+  ranks are a power of two with a core each, else ``nreduce``.
   nreduce was the fastest of oneCCL's CPU algorithms at every size on one
   2-rank machine (4 B 6.5 us, 1 MB 130 us, 64 MB 8.5 GB/s busbw vs 10.1 us,
   167 us, 4.7 GB/s for oneCCL's own choice) and the best or level at 1 MB and
@@ -40,37 +66,46 @@ calls): with oneCCL's defaults a 1-element allreduce took 4.3 ms and a 4 MB one
 - ``CCL_LOG_LEVEL=error``: oneCCL's startup warnings are about the variables
   above.
 
-Several hosts (:func:`several_hosts_oneccl`, :func:`several_hosts_nccl`;
-which ranks share a host and which interface reaches the rendezvous address
-come from :mod:`streamcoll.topology`), per host:
+Several hosts (which ranks share a host and which interface reaches the
+rendezvous address come from :mod:`streamcoll.topology`):
 
-- ``CCL_KVS_IFACE``, ``CCL_MNIC_NAME`` and ``NCCL_SOCKET_IFNAME=<iface>``:
-  the interface the kernel routes the rendezvous address through
-  (:func:`interface_defaults`). oneCCL's own choice is the alphabetically
-  first interface, loopback included, which hangs when the right one sorts
-  after ``lo``.
-- ``CCL_WORKER_OFFLOAD=0`` while the ranks of this machine have a core each,
-  else ``CCL_WORKER_OFFLOAD=1 CCL_YIELD=sched_yield``, as on one host; the
-  ranks counted are those on this *machine* (same boot id: simulated hosts or
-  containers share its cores).
-- ``CCL_ATL_SHM=1`` (shared memory between the ranks of one host, the network
-  between hosts) when a host has several ranks and no two hosts share a
-  hostname: oneCCL groups its shm peers by hostname, and with a hostname
-  shared by two hosts init hangs (measured, 2 x 2). Never ``FI_PROVIDER=shm``
-  (shm only) there.
+- per rank, ``CCL_KVS_IFACE``, ``CCL_MNIC_NAME`` and
+  ``NCCL_SOCKET_IFNAME=<iface>``: the interface the kernel routes the
+  rendezvous address through (:func:`interface_defaults`). oneCCL's own
+  choice is the alphabetically first interface, loopback included, which
+  hangs when the right one sorts after ``lo``. No ``CCL_MNIC_NAME`` where the
+  user set ``CCL_MNIC`` (oneCCL's multi-NIC selection, which one name would
+  narrow to one interface).
+- ``CCL_WORKER_OFFLOAD``/``CCL_YIELD`` as on one host; the ranks counted
+  are those of each *machine* (same boot id: simulated hosts or containers
+  share its cores); ``CCL_ALLREDUCE`` as on one host where no machine is
+  oversubscribed (else oneCCL's own).
+- ``CCL_ATL_SHM=1`` on every rank (shared memory between the ranks of one
+  host, the network between hosts) when some host has several ranks and no
+  two hosts share a hostname: oneCCL groups its shm peers by hostname, and
+  with a hostname shared by two hosts init hangs (measured, 2 x 2). Never
+  ``FI_PROVIDER=shm`` (shm only) there.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Dict, Optional
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-__all__ = ["APPLIED", "apply_oneccl_defaults", "apply_nccl_defaults", "RELEVANT", "several_hosts_oneccl",
-           "several_hosts_nccl", "interface_defaults"]
+if TYPE_CHECKING:  # pragma: no cover
+    from .topology import RankFacts, Topology
+
+__all__ = ["APPLIED", "RELEVANT", "AGREEMENT", "MUST_AGREE", "Agreement", "Agreed", "Bound", "agree",
+           "agreed_defaults", "bound", "enabled", "plan", "applied", "interface_defaults", "in_effect"]
 
 LOG = logging.getLogger("streamcoll")
 
 APPLIED: Dict[str, str] = {}
+"""What streamcoll set around native calls in this process (the latest value
+of each variable); none of it stays in ``os.environ``."""
 
 # Every variable streamcoll reads or sets: the table in streamcoll/env_vars.py.
 from .env_vars import names as _names  # noqa: E402
@@ -78,21 +113,87 @@ from .env_vars import names as _names  # noqa: E402
 RELEVANT = tuple(_names())
 
 
-def _default(name: str, value: str) -> None:
-    if name not in os.environ:
-        os.environ[name] = value
-        APPLIED[name] = value
+class Agreement(NamedTuple):
+    """Whether a native library's variable must be equal on every rank."""
+
+    library: str   # "oneccl" or "nccl": whose variable it is
+    must: bool     # True: one value on every rank, checked before the native init
+    why: str
 
 
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+AGREEMENT: Dict[str, Agreement] = {
+    "CCL_ALLREDUCE": Agreement("oneccl", True, "the algorithm: ranks running different ones exchange mismatched "
+                               "messages (measured: wrong sums, then 'SEND entry failed')"),
+    "CCL_WORKER_OFFLOAD": Agreement("oneccl", True, "who progresses a collective (caller or worker thread)"),
+    "CCL_YIELD": Agreement("oneccl", True, "how a waiting rank waits; decided with the worker offload"),
+    "CCL_ATL_SHM": Agreement("oneccl", True, "shared memory inside hosts: a rank without it cannot decode the "
+                             "others' addresses (measured, 2 + 1 ranks on 2 hosts)"),
+    "FI_PROVIDER": Agreement("oneccl", True, "libfabric's provider: peers must speak the same one"),
+    "CCL_ATL_TRANSPORT": Agreement("oneccl", True, "oneCCL's transport (ofi or mpi): peers must use the same one"),
+    "CCL_LOG_LEVEL": Agreement("oneccl", False, "what this process prints"),
+    "CCL_LOCAL_RANK": Agreement("oneccl", False, "this rank's place on its host"),
+    "CCL_LOCAL_SIZE": Agreement("oneccl", False, "the ranks of this host (hosts may differ)"),
+    "CCL_KVS_IFACE": Agreement("oneccl", False, "this host's interface (names differ between hosts)"),
+    "CCL_MNIC_NAME": Agreement("oneccl", False, "this host's interface"),
+    "CCL_MNIC": Agreement("oneccl", False, "this host's NIC selection"),
+    "CCL_MNIC_COUNT": Agreement("oneccl", False, "this host's number of NICs"),
+    "CCL_BF16": Agreement("oneccl", False, "this CPU's bf16 implementation (instruction sets differ)"),
+    "CCL_ROOT": Agreement("oneccl", False, "where this host's oneCCL is installed"),
+    "NCCL_SOCKET_IFNAME": Agreement("nccl", False, "this host's interface"),
+    "NCCL_DEBUG": Agreement("nccl", False, "what this process prints"),
+    "NCCL_HOME": Agreement("nccl", False, "where this host's NCCL is installed"),
+}
+MUST_AGREE: Tuple[str, ...] = tuple(k for k, a in AGREEMENT.items() if a.must)
+
+USER = "set by the user"
+IN_EFFECT = "in effect since this process's first oneCCL init"
+DEFAULT = "streamcoll's default"
+UNSET = "unset"
+POW2_ALLREDUCE = "recursive_doubling:0-16384;nreduce:16385-max"
+
+Bound = Tuple[Tuple[str, Optional[str], str], ...]
+"""(variable, value, source) for each must-agree variable a rank does not
+leave to streamcoll: ``source`` is :data:`USER` or :data:`IN_EFFECT`
+(``value`` None: in effect unset)."""
+
+_LOCK = threading.Lock()
+_ACTIVE: Dict[str, str] = {}                # set by applied() now, not the user's
+_IN_EFFECT: Dict[str, Optional[str]] = {}   # oneCCL's must-agree values at its first init in this process
 
 
-def _enabled() -> bool:
-    return os.environ.get("STREAMCOLL_NO_ENV_DEFAULTS", "0") in ("", "0")
+def enabled(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether streamcoll applies defaults (``STREAMCOLL_NO_ENV_DEFAULTS``)."""
+    e = os.environ if environ is None else environ
+    return e.get("STREAMCOLL_NO_ENV_DEFAULTS", "0") in ("", "0")
+
+
+_enabled = enabled  # the name streamcoll.__main__ has used
+
+
+def _user_env() -> Dict[str, str]:
+    """os.environ without what :func:`applied` has set at this moment."""
+    with _LOCK:
+        return {k: v for k, v in os.environ.items() if _ACTIVE.get(k) != v}
+
+
+def in_effect() -> Dict[str, Optional[str]]:
+    """oneCCL's must-agree values at its first init in this process (empty
+    before it): oneCCL does not read them again."""
+    return dict(_IN_EFFECT)
+
+
+def bound() -> Bound:
+    """This rank's must-agree values that streamcoll does not choose (they
+    go into its :class:`~streamcoll.topology.RankFacts`): those oneCCL runs
+    with since its first init here, else the user's."""
+    user = _user_env()
+    out = []
+    for name in MUST_AGREE:
+        if name in _IN_EFFECT:
+            out.append((name, _IN_EFFECT[name], IN_EFFECT))
+        elif name in user:
+            out.append((name, user[name], USER))
+    return tuple(out)
 
 
 def interface_defaults(iface: Optional[str]) -> Dict[str, str]:
@@ -107,64 +208,144 @@ def interface_defaults(iface: Optional[str]) -> Dict[str, str]:
     return {"CCL_KVS_IFACE": iface, "CCL_MNIC_NAME": iface, "NCCL_SOCKET_IFNAME": "=" + iface}
 
 
-def several_hosts_oneccl(local_size: int, oversubscribed: bool, iface: Optional[str],
-                         shm: bool = True, world_size: int = 2) -> Dict[str, str]:
-    """oneCCL defaults for one host of several (the why and the figures are in
-    the module docstring). ``local_size``: ranks on this host; ``oversubscribed``:
-    more ranks on this machine than cores; ``iface``: see
-    :func:`interface_defaults`; ``shm``: whether oneCCL can tell the hosts
-    apart (it groups shm peers by hostname); ``world_size``: all ranks."""
-    d = {k: v for k, v in interface_defaults(iface).items() if k.startswith("CCL_")}
-    if oversubscribed:
+def agreed_defaults(topo: "Topology") -> Dict[str, str]:
+    """streamcoll's value of each must-agree variable for ``topo`` (absent:
+    left unset, oneCCL's own); the why is in the module docstring. Computed
+    from every rank's facts only, so it is the same on every rank."""
+    over = topo.world_oversubscribed
+    n = len(topo.facts)
+    pow2 = n & (n - 1) == 0
+    d: Dict[str, str] = {}
+    if over:
         d["CCL_WORKER_OFFLOAD"] = "1"
         d["CCL_YIELD"] = "sched_yield"
     else:
         d["CCL_WORKER_OFFLOAD"] = "0"
-        pow2 = world_size & (world_size - 1) == 0
-        d["CCL_ALLREDUCE"] = "recursive_doubling:0-16384;nreduce:16385-max" if pow2 else "nreduce"
-    if local_size > 1 and shm:
+    if topo.single_host:
         d["CCL_ATL_SHM"] = "1"
+        d["FI_PROVIDER"] = "shm"
+        d["CCL_ALLREDUCE"] = POW2_ALLREDUCE if pow2 and not over else "nreduce"
+    else:
+        if not over:
+            d["CCL_ALLREDUCE"] = POW2_ALLREDUCE if pow2 else "nreduce"
+        if any(len(h) > 1 for h in topo.hosts) and topo.hostnames_tell_hosts_apart:
+            d["CCL_ATL_SHM"] = "1"
     return d
 
 
-def several_hosts_nccl(iface: Optional[str]) -> Dict[str, str]:
-    """NCCL defaults for one host of several: its socket interface."""
-    return {k: v for k, v in interface_defaults(iface).items() if k.startswith("NCCL_")}
+@dataclass(frozen=True)
+class Agreed:
+    """The must-agree variables of a topology: the one value every rank runs
+    with (None: unset), and a text per variable whose values would differ."""
+
+    values: Dict[str, Optional[str]]
+    conflicts: Dict[str, str]
+
+    def conflicts_for(self, backend: str) -> List[str]:
+        """The conflicts that matter to ``backend``'s library."""
+        return [t for k, t in self.conflicts.items() if AGREEMENT[k].library == backend]
+
+    def to_json(self) -> Dict[str, object]:
+        """For a topology published through the store (plain JSON types)."""
+        return {"values": self.values, "conflicts": self.conflicts}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, object]) -> "Agreed":
+        """The inverse of :meth:`to_json`."""
+        return cls(dict(d["values"]), dict(d["conflicts"]))  # type: ignore[call-overload]
 
 
-def apply_oneccl_defaults(single_host: bool, local_rank: int, local_size: int,
-                          several: Optional[Dict[str, str]] = None) -> None:
-    """Apply the defaults; ``several`` is :func:`several_hosts_oneccl`'s table
-    when the ranks are on several hosts."""
-    if not _enabled():
-        return
-    _default("CCL_LOCAL_RANK", str(local_rank))
-    _default("CCL_LOCAL_SIZE", str(local_size))
-    _default("CCL_LOG_LEVEL", "error")
-    if single_host:
-        oversubscribed = local_size > _usable_cores()
-        if oversubscribed:
-            _default("CCL_WORKER_OFFLOAD", "1")
-            _default("CCL_YIELD", "sched_yield")
+def _ranks(rs: Sequence[int]) -> str:
+    head = "rank " if len(rs) == 1 else "ranks "
+    shown = ", ".join(map(str, rs[:8])) + (f", ... ({len(rs)} in all)" if len(rs) > 8 else "")
+    return head + shown
+
+
+def agree(topo: "Topology") -> Agreed:
+    """Every must-agree variable's value for ``topo``, from all ranks' facts.
+
+    A rank's value is its bound one (the user's, or in effect since its
+    first oneCCL init); a rank without one takes the value in effect on
+    the ranks whose oneCCL already runs (when they agree: they cannot
+    change theirs), else streamcoll's default; none where the rank turned
+    the defaults off. Values that differ between ranks are a conflict."""
+    defaults = agreed_defaults(topo)
+    facts: Sequence["RankFacts"] = topo.facts
+    values: Dict[str, Optional[str]] = {}
+    conflicts: Dict[str, str] = {}
+    for name in MUST_AGREE:
+        held = {f.rank: (v, src) for f in facts for (k, v, src) in f.bound if k == name}
+        running = {v for v, src in held.values() if src == IN_EFFECT}
+        free: Tuple[Optional[str], str] = ((running.pop(), IN_EFFECT) if len(running) == 1
+                                           else (defaults.get(name), DEFAULT))
+        per_rank = {f.rank: held.get(f.rank) or (free if f.defaults else (None, UNSET)) for f in facts}
+        distinct = {v for v, _ in per_rank.values()}
+        if len(distinct) == 1:
+            values[name] = distinct.pop()
+            continue
+        groups: Dict[Tuple[Optional[str], str], List[int]] = {}
+        for r, vs in sorted(per_rank.items()):
+            groups.setdefault(vs, []).append(r)
+        parts = [f"{_ranks(rs)}: {repr(v) if v is not None else 'unset'} ({src})"
+                 for (v, src), rs in sorted(groups.items(), key=lambda kv: kv[1][0])]
+        conflicts[name] = f"{name}: " + "; ".join(parts)
+        values[name] = None
+    return Agreed(values, conflicts)
+
+
+def plan(topo: "Topology", backend: str, environ: Optional[Mapping[str, str]] = None,
+         running: Optional[Mapping[str, Optional[str]]] = None) -> Dict[str, str]:
+    """What streamcoll sets around this rank's native calls for ``topo``
+    (``environ``: the user's environment, default os.environ less what
+    :func:`applied` holds; ``running``: :func:`in_effect`, whose variables
+    oneCCL does not read again): the agreed values and this rank's own
+    ones, for variables the user has not set. Empty with the defaults off."""
+    user = _user_env() if environ is None else dict(environ)
+    fixed = _IN_EFFECT if running is None else running
+    if not enabled(user):
+        return {}
+    d: Dict[str, str] = {}
+    if backend == "oneccl":
+        d.update({k: v for k, v in topo.agreed.values.items() if v is not None and k not in fixed})
+        d.update(CCL_LOCAL_RANK=str(topo.local_rank), CCL_LOCAL_SIZE=str(topo.local_size), CCL_LOG_LEVEL="error")
+        if topo.single_host:
+            d["CCL_KVS_IFACE"] = "lo"
         else:
-            _default("CCL_WORKER_OFFLOAD", "0")
-        _default("CCL_ATL_SHM", "1")
-        _default("FI_PROVIDER", "shm")
-        _default("CCL_KVS_IFACE", "lo")
-        if oversubscribed or local_size & (local_size - 1):
-            _default("CCL_ALLREDUCE", "nreduce")
+            iface = topo.me.route.iface if topo.me.route else None
+            d.update({k: v for k, v in interface_defaults(iface).items() if k.startswith("CCL_")})
+            if "CCL_MNIC" in user:  # the user's multi-NIC selection: one name would narrow it
+                d.pop("CCL_MNIC_NAME", None)
+    else:
+        if topo.single_host:
+            d["NCCL_SOCKET_IFNAME"] = "lo"
         else:
-            _default("CCL_ALLREDUCE", "recursive_doubling:0-16384;nreduce:16385-max")
-    else:
-        for k, v in (several or {}).items():
-            _default(k, v)
+            iface = topo.me.route.iface if topo.me.route else None
+            d.update({k: v for k, v in interface_defaults(iface).items() if k.startswith("NCCL_")})
+    return {k: v for k, v in d.items() if k not in user}
 
 
-def apply_nccl_defaults(single_host: bool, several: Optional[Dict[str, str]] = None) -> None:
-    if not _enabled():
-        return
-    if single_host:
-        _default("NCCL_SOCKET_IFNAME", "lo")
-    else:
-        for k, v in (several or {}).items():
-            _default(k, v)
+@contextlib.contextmanager
+def applied(values: Mapping[str, str], backend: str) -> Iterator[None]:
+    """Set ``values`` (those not set already) in os.environ around a native
+    call that reads them, and remove them after (see the module docstring).
+    The first time for oneCCL, records the must-agree values it then reads
+    (:func:`in_effect`)."""
+    mine: Dict[str, str] = {}
+    with _LOCK:
+        for k, v in values.items():
+            if k not in os.environ:
+                os.environ[k] = v
+                mine[k] = v
+        _ACTIVE.update(mine)
+        APPLIED.update(mine)
+        if backend == "oneccl" and not _IN_EFFECT:
+            _IN_EFFECT.update({k: os.environ.get(k) for k in MUST_AGREE if AGREEMENT[k].library == "oneccl"})
+    try:
+        yield
+    finally:
+        with _LOCK:
+            for k, v in mine.items():
+                if os.environ.get(k) == v:
+                    del os.environ[k]
+                if _ACTIVE.get(k) == v:
+                    del _ACTIVE[k]

@@ -17,8 +17,10 @@ __all__ = ["EnvVar", "TABLE", "names", "markdown", "read_int"]
 class EnvVar(NamedTuple):
     """One variable: its name, its default (as streamcoll sees it), and what
     it does. ``kind``: ``streamcoll`` (read by streamcoll), ``applied`` (a
-    native library's variable that streamcoll sets when unset), or
-    ``read`` (a launcher's or library's variable streamcoll reads)."""
+    native library's variable that streamcoll sets when unset, around the
+    native calls only: :mod:`streamcoll.env`), or ``read`` (a launcher's or
+    library's variable streamcoll reads). Whether a native variable must be
+    equal on every rank: :data:`streamcoll.env.AGREEMENT`."""
 
     name: str
     kind: str
@@ -61,28 +63,30 @@ TABLE: Tuple[EnvVar, ...] = (
     EnvVar("STREAMCOLL_HOME", "streamcoll", "~/.cache/streamcoll",
            "where the runtime `scripts/setup.sh` assembles lives"),
     EnvVar("CCL_LOG_LEVEL", "applied", "error", "oneCCL prints errors only"),
-    EnvVar("CCL_LOCAL_RANK", "applied", "LOCAL_RANK", "oneCCL's local rank, from torchrun's"),
-    EnvVar("CCL_LOCAL_SIZE", "applied", "LOCAL_WORLD_SIZE", "oneCCL's local size, from torchrun's"),
-    EnvVar("CCL_WORKER_OFFLOAD", "applied", "0 (1 when ranks outnumber cores)",
-           "one host: run collectives on the calling thread"),
-    EnvVar("CCL_YIELD", "applied", "sched_yield (ranks outnumber cores)",
-           "one host, oversubscribed: waiting ranks yield their core"),
-    EnvVar("CCL_ATL_SHM", "applied", "1", "one host: shared-memory transport"),
-    EnvVar("FI_PROVIDER", "applied", "shm", "one host: libfabric's shared-memory provider"),
+    EnvVar("CCL_LOCAL_RANK", "applied", "the rank's place on its host", "oneCCL's local rank"),
+    EnvVar("CCL_LOCAL_SIZE", "applied", "the ranks on its host", "oneCCL's local size"),
+    EnvVar("CCL_WORKER_OFFLOAD", "applied", "0 (1 when some machine's ranks cannot have a core each)",
+           "run collectives on the calling thread; equal on every rank (checked)"),
+    EnvVar("CCL_YIELD", "applied", "sched_yield (when offloading)",
+           "oversubscribed: waiting ranks yield their core; equal on every rank (checked)"),
+    EnvVar("CCL_ATL_SHM", "applied", "1 (several hosts: where a host has several ranks)",
+           "shared-memory transport inside hosts; equal on every rank (checked)"),
+    EnvVar("FI_PROVIDER", "applied", "shm (one host)", "libfabric's provider; equal on every rank (checked)"),
     EnvVar("CCL_KVS_IFACE", "applied", "lo / the routed interface",
            "oneCCL's key-value store: loopback on one host, else the interface that reaches MASTER_ADDR"),
     EnvVar("CCL_MNIC_NAME", "applied", "the routed interface", "several hosts: oneCCL's network interface"),
     EnvVar("CCL_MNIC", "read", "", "oneCCL's NIC selection (set by the user: streamcoll sets no CCL_MNIC_NAME)"),
     EnvVar("CCL_MNIC_COUNT", "read", "", "oneCCL's number of NICs (user setting)"),
     EnvVar("CCL_ALLREDUCE", "applied", "recursive_doubling:0-16384;nreduce:16385-max (or nreduce)",
-           "one host: all-reduce algorithm by message size"),
+           "all-reduce algorithm by message size; equal on every rank (checked)"),
     EnvVar("NCCL_SOCKET_IFNAME", "applied", "lo / =the routed interface",
            "NCCL's sockets: loopback on one host, else exactly the interface that reaches MASTER_ADDR"),
     EnvVar("STREAMCOLL_WIDEN_BF16", "streamcoll", "1",
            "`0`: bf16 reductions on oneCCL's CPU path in bf16 (default: through float32, correctly rounded)"),
     EnvVar("CCL_BF16", "read", "", "oneCCL's bf16 implementation (avx512 variants crash on AVX2-only CPUs)"),
     EnvVar("CCL_ROOT", "read", "", "an installed oneAPI oneCCL (library search)"),
-    EnvVar("CCL_ATL_TRANSPORT", "read", "ofi", "oneCCL's transport (`mpi` over an MPI launcher)"),
+    EnvVar("CCL_ATL_TRANSPORT", "read", "ofi",
+           "oneCCL's transport (`mpi` over an MPI launcher); equal on every rank (checked)"),
     EnvVar("NCCL_DEBUG", "read", "", "NCCL's own logging"),
     EnvVar("NCCL_HOME", "read", "", "NCCL installation (library and header search)"),
     EnvVar("CUDA_HOME", "read", "", "CUDA installation (library search)"),

@@ -35,7 +35,9 @@ downloaded again, and the check runs each time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import fcntl
 import json
 import os
 import shutil
@@ -44,8 +46,8 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from pathlib import Path, PurePosixPath
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ._ffi._common import runtime_home
 
@@ -124,11 +126,47 @@ def _wheel_for(wheels: Sequence[Path], project: str) -> Path:
     return found[0]
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (``/proc``), else by
+    setting and restoring it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def _inside(dest: Path, rel: str) -> Optional[Path]:
+    """``dest/rel`` where that stays inside ``dest`` (no absolute path, no
+    ``..``, no link leading out), else None."""
+    parts = PurePosixPath(rel).parts
+    if not parts or PurePosixPath(rel).is_absolute() or ".." in parts or "\\" in rel:
+        return None
+    out = dest.joinpath(*parts)
+    try:
+        out.parent.resolve().relative_to(dest.resolve())
+    except ValueError:
+        return None
+    return out
+
+
 def _extract(wheel: Path, wanted: Sequence[str], dest: Path) -> List[str]:
     """Copy the ``<name>.data/data/<rel>`` members matching ``wanted`` into
-    ``dest/<rel>``; the relative paths copied."""
+    ``dest/<rel>``; the relative paths copied. A member whose path would
+    leave ``dest`` fails the install (before anything is written); modes
+    are 0666, or 0777 for an executable member, less the umask, as for any
+    file this user creates (the wheel's own bits could make a file
+    world-writable under ``~/.cache``)."""
     got: List[str] = []
+    dest.mkdir(parents=True, exist_ok=True)
+    umask = _umask()
     with zipfile.ZipFile(wheel) as z:
+        todo = []
         for info in z.infolist():
             name = info.filename
             if ".data/data/" not in name or name.endswith("/"):
@@ -136,25 +174,65 @@ def _extract(wheel: Path, wanted: Sequence[str], dest: Path) -> List[str]:
             rel = name.split(".data/data/", 1)[1]
             if not any(rel == w or (w.endswith("/") and rel.startswith(w)) for w in wanted):
                 continue
-            out = dest / rel
+            out = _inside(dest, rel)
+            if out is None:
+                raise InstallError(f"{wheel.name}: member {name!r} would be written outside {dest}; "
+                                   "the wheel is damaged or not the one expected")
+            todo.append((info, rel, out))
+        for info, rel, out in todo:
             out.parent.mkdir(parents=True, exist_ok=True)
             with z.open(info) as f, open(out, "wb") as g:
                 shutil.copyfileobj(f, g)
-            mode = (info.external_attr >> 16) & 0o777
-            os.chmod(out, mode or 0o644)
+            executable = (info.external_attr >> 16) & 0o111
+            os.chmod(out, (0o777 if executable else 0o666) & ~umask)
             got.append(rel)
     return got
 
 
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the two paths atomically (``renameat2(RENAME_EXCHANGE)``,
+    Linux 3.15); False where the system or file system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
 def _swap_in(new: Path, root: Path) -> None:
-    """Replace ``root`` by ``new`` with renames (the old folder, if any, is
-    moved aside first and deleted after), so no reader sees half a runtime."""
+    """Replace ``root`` by ``new`` so that no reader sees half a runtime or
+    none: the two are exchanged in one step where the system can (then the
+    old runtime, now at ``new``, is deleted), else the old one is moved
+    aside first and deleted after (under :func:`_locked`, as install_runtime
+    does, no other install interleaves)."""
+    if root.exists() and _exchange(new, root):
+        shutil.rmtree(new, ignore_errors=True)
+        return
     old = root.with_name(root.name + f".old-{os.getpid()}")
     if root.exists():
         root.rename(old)
     new.rename(root)
     if old.exists():
         shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _locked(root: Path) -> Iterator[None]:
+    """One install of ``root`` at a time (an ``flock`` on a file beside
+    it): a second waits for the first, then finds the runtime complete."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f".{root.name}.lock", "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def _system_libfabric() -> str:
@@ -292,14 +370,15 @@ def install_runtime(home: Optional[os.PathLike] = None, libfabric: str = "auto",
     root = (Path(home) if home is not None else runtime_home()).expanduser().absolute() / "oneccl"
     rt = Runtime(root)
     say(f"1/4 oneCCL {ONECCL_VERSION} CPU runtime in {root}")
-    if _complete(root) and not force:
-        say("2/4 already assembled: nothing to download (--force rebuilds it)")
-        rt.files = {r: "" for r in _REQUIRED}
-    else:
-        say("2/4 assembling the working set from three wheels")
-        rt.files = _assemble(root, python, say)
-    say(f"3/4 libfabric ({libfabric})")
-    rt.libfabric = _libfabric(root, libfabric, python, say)
+    with _locked(root):  # a second install at once waits here, then finds it complete
+        if _complete(root) and not force:
+            say("2/4 already assembled: nothing to download (--force rebuilds it)")
+            rt.files = {r: "" for r in _REQUIRED}
+        else:
+            say("2/4 assembling the working set from three wheels")
+            rt.files = _assemble(root, python, say)
+        say(f"3/4 libfabric ({libfabric})")
+        rt.libfabric = _libfabric(root, libfabric, python, say)
     say(f"    libfabric: {rt.libfabric}")
     say("4/4 checking it: a fresh interpreter loads it and all-reduces on a one-rank communicator")
     rt.verified = _verify(root, python)

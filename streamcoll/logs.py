@@ -21,7 +21,13 @@ groups do not trigger it. :func:`quiet_oneccl_startup` therefore points fd 1
 at a pipe for that first call only and forwards what arrives: that line is
 dropped (logged at debug level), any other oneCCL line goes to the logger as
 a warning, and everything else (another thread's output) to the real stdout,
-as it arrives. With ``CCL_LOG_LEVEL`` set to anything but ``error`` (a user
+as it arrives. The records are logged only once fd 1 is stdout again (a
+handler writing to stdout would otherwise feed the pipe it filters, without
+end). A child process started during the call inherits the pipe as its
+stdout (marking it close-on-exec instead would leave such a child no stdout
+at all): the pump, with its own duplicate of stdout, keeps forwarding that
+child's output until the child closes it, so it is neither lost nor blocked;
+stdout itself is given back at once. With ``CCL_LOG_LEVEL`` set to anything but ``error`` (a user
 debugging oneCCL) nothing is captured: oneCCL's output is what they asked for.
 
 The grouped Send/Recv line: each Send or Recv issued inside a oneCCL group
@@ -71,37 +77,77 @@ def _fflush() -> None:
         pass
 
 
-def _route(line: bytes, real: int) -> None:
-    if b"|CCL_" in line:
-        text = line.decode("utf-8", "replace").rstrip("\n")
-        if _LOG_LEVEL_LINE in line:
-            logger.debug("oneCCL (dropped from stdout): %s", text)
-        else:
-            logger.warning("oneCCL: %s", text)
+class _Records:
+    """oneCCL's lines seen by the pump, logged only once fd 1 is stdout
+    again: a handler writing to stdout (``logging.basicConfig(stream=
+    sys.stdout)``) would otherwise write each record into the pipe being
+    filtered, and the pump would log it again, without end."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.restored = False
+        self.pending: List[bytes] = []
+
+    def add(self, line: bytes) -> None:
+        with self.lock:
+            if not self.restored:
+                self.pending.append(line)
+                return
+        _log_line(line)
+
+    def release(self) -> None:
+        """fd 1 is stdout again: log what waited, and log later lines at once."""
+        with self.lock:
+            self.restored, pending, self.pending = True, self.pending, []
+        for line in pending:
+            _log_line(line)
+
+
+def _log_line(line: bytes) -> None:
+    text = line.decode("utf-8", "replace").rstrip("\n")
+    if _LOG_LEVEL_LINE in line:
+        logger.debug("oneCCL (dropped from stdout): %s", text)
     else:
-        os.write(real, line)
+        logger.warning("oneCCL: %s", text)
 
 
-def _pump(rfd: int, real: int, partial: List[bytes]) -> None:
-    """Forward what arrives on ``rfd`` line by line; ``partial[0]`` is the
-    unfinished line (the caller waits for it before giving fd 1 back)."""
-    buf = b""
-    while True:
+def _route(line: bytes, real: int, records: _Records) -> None:
+    if b"|CCL_" in line:
+        records.add(line)
+    else:
         try:
-            chunk = os.read(rfd, 65536)
-        except OSError:
-            break
-        if not chunk:
-            break
-        buf += chunk
-        *lines, buf = buf.split(b"\n")
-        partial[0] = buf
-        for line in lines:
-            _route(line + b"\n", real)
-    partial[0] = b""
-    if buf:
-        _route(buf, real)
-    os.close(rfd)
+            os.write(real, line)
+        except OSError:  # stdout closed by the program: nothing to forward to
+            pass
+
+
+def _pump(rfd: int, real: int, partial: List[bytes], records: _Records) -> None:
+    """Forward what arrives on ``rfd`` line by line to ``real`` (the pump's
+    own duplicate of stdout, closed by it at the end, so its number is never
+    reused under it); ``partial[0]`` is the unfinished line (the caller waits
+    for it before giving fd 1 back). Runs until every write end is closed:
+    a child process started during the call keeps its copy of the pipe, and
+    its output keeps flowing to stdout."""
+    buf = b""
+    try:
+        while True:
+            try:
+                chunk = os.read(rfd, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            partial[0] = buf
+            for line in lines:
+                _route(line + b"\n", real, records)
+        partial[0] = b""
+        if buf:
+            _route(buf, real, records)
+    finally:
+        os.close(rfd)
+        os.close(real)
 
 
 @contextlib.contextmanager
@@ -117,8 +163,10 @@ def quiet_oneccl_startup() -> Iterator[None]:
         yield
         return
     saved: Optional[int] = None
+    real: Optional[int] = None
     thread: Optional[threading.Thread] = None
     partial: List[bytes] = [b""]
+    records = _Records()
     try:
         try:
             sys.stdout.flush()
@@ -126,13 +174,17 @@ def quiet_oneccl_startup() -> Iterator[None]:
             pass
         _fflush()
         saved = os.dup(1)
+        real = os.dup(1)  # the pump's own
         rfd, wfd = os.pipe()
         os.dup2(wfd, 1)
         os.close(wfd)
-        thread = threading.Thread(target=_pump, args=(rfd, saved, partial), name="streamcoll-stdout", daemon=True)
+        thread = threading.Thread(target=_pump, args=(rfd, real, partial, records), name="streamcoll-stdout",
+                                  daemon=True)
         thread.start()
     except OSError as e:  # no fd 1 (a daemon): nothing to keep clean
         logger.debug("stdout not captured during oneCCL start-up: %s", e)
+        if real is not None:
+            os.close(real)
         if saved is not None:
             os.dup2(saved, 1)
             os.close(saved)
@@ -152,7 +204,8 @@ def quiet_oneccl_startup() -> Iterator[None]:
             while partial[0] and time.monotonic() < deadline:
                 time.sleep(0.005)
                 _fflush()
-            os.dup2(saved, 1)  # the pipe's last write end is gone: the pump reads EOF
-            if thread is not None:
-                thread.join(2.0)
+            os.dup2(saved, 1)  # our write end is gone: the pump reads EOF, unless a child holds the pipe
             os.close(saved)
+            if thread is not None:
+                thread.join(0.5)  # what the call wrote is forwarded before the caller writes more
+            records.release()

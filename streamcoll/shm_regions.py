@@ -287,6 +287,13 @@ def disposition(signum: int, handler: Any) -> Any:
     return _end_by_signal if handler is signal.SIG_DFL else handler
 
 
+def stands_for_default(handler: Any) -> bool:
+    """Whether ``handler`` is the stand-in :func:`disposition` installs for a
+    default disposition (so :mod:`streamcoll.signals` treats the signal as
+    having no handler of the user's)."""
+    return handler is _end_by_signal
+
+
 def _end_by_signal(signum: int, frame: Any) -> None:
     """Remove this process's regions, then die of ``signum`` under its
     default disposition (the exit status stays ``-signum``)."""

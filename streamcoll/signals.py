@@ -23,15 +23,29 @@ call is only a flag to Python: its handler runs when the call returns, and a
 call stuck on a dead or absent peer never does (oneCCL has no abort). The
 interrupt watcher (:func:`watch_interrupts`) sees each signal through
 :func:`signal.set_wakeup_fd` (Python's C handler writes the signal number
-there; no cost on the call path). When a signal with a Python handler
-arrives and the main thread stands in streamcoll code, the watcher gives
-the call :data:`INTERRUPT_GRACE_S` to return (then Python raises
-``KeyboardInterrupt`` as usual); if the main thread has not moved by then,
-or a second such signal arrives first, it logs what the main thread is stuck
-in and ends the process with ``os._exit(128 + signum)`` (130 for Ctrl-C),
-without teardown, which would crash under the stuck call. A program that
-owns the wakeup fd itself (asyncio's loop) keeps it, and this watcher stays
-off.
+there; no cost on the call path). What it does depends on whose handler the
+signal has:
+
+- **the user's** (any handler the program installed, for SIGINT or
+  SIGTERM: a checkpoint-on-preemption handler under SLURM or Kubernetes):
+  nothing but a warning that the handler runs when the call returns. The
+  call may be a healthy collective waiting for a slower peer; a call stuck
+  for good ends by the watchdog at the communicator's timeout.
+- **nobody's** (SIGINT with Python's default, which raises
+  ``KeyboardInterrupt`` and so would end the process anyway, or SIGTERM with
+  its default action, which after a native init is
+  :func:`streamcoll.shm_regions.disposition`'s stand-in: it removes this
+  process's ``/dev/shm`` regions, then dies of the signal): when the main
+  thread stands in streamcoll code, the watcher gives the call
+  :data:`INTERRUPT_GRACE_S` to return (then Python raises
+  ``KeyboardInterrupt`` as usual); if the main thread has not moved by then,
+  or a second such signal arrives first, it logs what the main thread is
+  stuck in and ends the process with ``os._exit(128 + signum)`` (130 for
+  Ctrl-C, 143 for SIGTERM), without teardown, which would crash under the
+  stuck call.
+
+A program that owns the wakeup fd itself (asyncio's loop) keeps it, and
+this watcher stays off.
 """
 from __future__ import annotations
 
@@ -143,12 +157,19 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _handled_by_python(signum: int) -> bool:
+def _handler_of(signum: int) -> str:
+    """``"user"``: a handler the program installed; ``"default"``: Python's
+    own (SIGINT's ``default_int_handler``, which raises KeyboardInterrupt);
+    ``"none"``: no Python handler (the signal never reaches the watcher).
+    SIG_DFL's stand-in (:func:`streamcoll.shm_regions.disposition`) counts as
+    the default."""
     try:
         h = signal.getsignal(signum)
     except (ValueError, OSError):
-        return False
-    return callable(h)
+        return "none"
+    if h is signal.default_int_handler or shm_regions.stands_for_default(h):
+        return "default"  # Python's SIGINT handler, or SIG_DFL's stand-in (regions removed, then the default)
+    return "user" if callable(h) else "none"
 
 
 def _main_frame(main_ident: Optional[int]) -> Any:
@@ -171,8 +192,25 @@ def _watch(rfd: int, main_ident: Optional[int]) -> None:
         if not data:
             return
         for signum in data:
-            if signum in (signal.SIGINT, signal.SIGTERM) and _handled_by_python(signum):
-                _on_signal(rfd, signum, main_ident)
+            if signum in (signal.SIGINT, signal.SIGTERM):
+                whose = _handler_of(signum)
+                if whose == "user":
+                    _deferred(signum, main_ident)
+                elif whose == "default":
+                    _on_signal(rfd, signum, main_ident)
+
+
+def _deferred(signum: int, main_ident: Optional[int]) -> None:
+    """The user's handler runs when the main thread's call returns: say so
+    when that call is streamcoll's (a collective waiting for its peers)."""
+    frame = _main_frame(main_ident)
+    if not _in_streamcoll(frame):
+        return
+    calls = _stuck_calls()
+    what = "; ".join(calls) if calls else f"{frame.f_code.co_name} ({frame.f_code.co_filename})"
+    log.warning("streamcoll: %s received while the main thread is inside a native call (%s): your handler runs "
+                "when the call returns (a call stuck for good ends by the watchdog at the communicator's "
+                "timeout)", signal.Signals(signum).name, what)
 
 
 def _on_signal(rfd: int, signum: int, main_ident: Optional[int]) -> None:
@@ -219,8 +257,9 @@ def _end(signum: int, frame: Any, second: bool) -> None:
     log.error(
         "streamcoll: %s received %s while the main thread is inside a native call that cannot be "
         "interrupted: %s. Likely cause: another rank died, hung or is not calling this collective. "
-        "Ending the process now with exit code %d (no finally/atexit: the native call still runs).",
-        name, how, what, code)
+        "No handler of yours is installed for %s, so its default would end the process: ending it now with "
+        "exit code %d (no finally/atexit: the native call still runs; a handler you install runs instead "
+        "when the call returns).", name, how, what, name, code)
     shm_regions.remove_own(f"on {name}")
     for s in (sys.stdout, sys.stderr):
         try:

@@ -23,7 +23,14 @@ loopback key-value store) make init hang. A rank reports instead:
   (identity, node).
 - its **machine** (the boot id alone) and CPU affinity: ranks on one machine
   share its cores even in different namespaces, which decides whether they
-  may spin (see ``env.py``).
+  may spin (see ``env.py``): a machine is oversubscribed when its ranks'
+  CPU sets cannot give each rank a core of its own (:func:`core_each`).
+- the values of the variables that must agree across ranks which are not
+  streamcoll's to choose (the user's, or in effect since the process's first
+  oneCCL init: :func:`streamcoll.env.bound`), and whether it applies
+  defaults at all; :class:`Topology` computes from all ranks' facts the one
+  value of each such variable, or the conflict that refuses the init
+  (:func:`streamcoll.env.agree`).
 - the **route to the rendezvous address** (``MASTER_ADDR``, else the store's
   own host): the local address and interface the kernel uses to reach it,
   found with a UDP ``connect()`` (sends nothing) and ``getsockname()``, then
@@ -43,10 +50,13 @@ import os
 import socket
 import struct
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .env import Agreed
 
 __all__ = ["Route", "RankFacts", "Topology", "host_identity", "route_to", "interface_of",
-           "rendezvous_address", "local_facts", "exchange_key", "Topology"]
+           "rendezvous_address", "local_facts", "exchange_key", "core_each"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,8 @@ class RankFacts:
     node: Optional[int]
     cpus: Tuple[int, ...]
     route: Optional[Route] = None
+    bound: Tuple[Tuple[str, Optional[str], str], ...] = ()  # env.bound(): must-agree values not streamcoll's
+    defaults: bool = True                                   # streamcoll applies defaults (env.enabled())
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -97,6 +109,7 @@ class RankFacts:
         r = d.get("route")
         d["route"] = Route(**r) if r else None
         d["cpus"] = tuple(d.get("cpus") or ())
+        d["bound"] = tuple(tuple(b) for b in d.get("bound") or ())
         return cls(**d)
 
 
@@ -244,10 +257,12 @@ def _cpus() -> Tuple[int, ...]:
 
 def local_facts(rank: int, store: Any = None) -> RankFacts:
     """This process's :class:`RankFacts`."""
+    from . import env
     ident, machine, network = host_identity()
     addr = rendezvous_address(store)
     route = route_to(addr) if addr else None
-    return RankFacts(rank, ident, machine, network, socket.gethostname(), os.getpid(), _node(rank), _cpus(), route)
+    return RankFacts(rank, ident, machine, network, socket.gethostname(), os.getpid(), _node(rank), _cpus(), route,
+                     env.bound(), env.enabled())
 
 
 def exchange_key(rank: int) -> str:
@@ -255,19 +270,42 @@ def exchange_key(rank: int) -> str:
     return f"host/{rank}"
 
 
+def core_each(cpusets: Sequence[Sequence[int]]) -> bool:
+    """Whether every rank can have a core of its own, each within its CPU
+    set: a matching of ranks to distinct cores (augmenting paths). Ranks
+    pinned to separate cores have one each; two ranks on one core, or
+    three whose sets cover two cores, do not."""
+    owner: Dict[int, int] = {}
+
+    def place(r: int, seen: Set[int]) -> bool:
+        for c in cpusets[r]:
+            if c not in seen:
+                seen.add(c)
+                if c not in owner or place(owner[c], seen):
+                    owner[c] = r
+                    return True
+        return False
+
+    return all(place(r, set()) for r in range(len(cpusets)))
+
+
 @dataclass
 class Topology:
-    """Every rank's facts and what follows from them."""
+    """Every rank's facts and what follows from them; computed from the
+    facts alone, so every rank that has them computes the same."""
 
     facts: List[RankFacts]
     rank: int
     hosts: List[List[int]] = field(init=False)
+    agreed: "Agreed" = field(init=False)   # the must-agree variables' values, or their conflicts
 
     def __post_init__(self) -> None:
+        from .env import agree
         groups: Dict[Tuple[str, Optional[int]], List[int]] = {}
         for f in self.facts:
             groups.setdefault((f.identity, f.node), []).append(f.rank)
         self.hosts = sorted(groups.values(), key=lambda rs: rs[0])
+        self.agreed = agree(self)
 
     # -- this rank's host ----------------------------------------------------
     @property
@@ -314,8 +352,17 @@ class Topology:
 
     @property
     def oversubscribed(self) -> bool:
-        """More ranks on this machine than cores they may use."""
-        return len(self.machine_ranks) > self.machine_cores
+        """The ranks on this machine cannot have a core each (:func:`core_each`)."""
+        return not core_each([self.facts[r].cpus for r in self.machine_ranks])
+
+    @property
+    def world_oversubscribed(self) -> bool:
+        """Some machine's ranks cannot have a core each: decides the
+        settings every rank must share (:func:`streamcoll.env.agreed_defaults`)."""
+        machines: Dict[str, List[Tuple[int, ...]]] = {}
+        for f in self.facts:
+            machines.setdefault(f.machine, []).append(f.cpus)
+        return not all(core_each(sets) for sets in machines.values())
 
     def describe_rank(self, r: int) -> str:
         f = self.facts[r]

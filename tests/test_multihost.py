@@ -173,15 +173,17 @@ def _fail_fast() -> None:
 SCENARIOS = {"world": _world, "fail_fast": _fail_fast}
 
 
-def _host(local_size: int, group: int, nnodes: int, scenario: str) -> None:
+def _host(layout: List[int], group: int, scenario: str) -> None:
     """One host's launcher (as torchrun's agent, without its torch import):
-    starts this host's ranks, records when each ends, exits when all did."""
+    starts this host's ranks (``layout``: ranks per host), records when each
+    ends, exits when all did."""
     out = os.environ["MULTIHOST_OUT"]
     procs = []
+    local_size = layout[group]
     for lr in range(local_size):
-        rank = group * local_size + lr
+        rank = sum(layout[:group]) + lr
         e = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(lr), LOCAL_WORLD_SIZE=str(local_size),
-                 GROUP_RANK=str(group), WORLD_SIZE=str(nnodes * local_size))
+                 GROUP_RANK=str(group), WORLD_SIZE=str(sum(layout)))
         with open(os.path.join(out, f"stderr{rank}"), "w") as err:
             procs.append((rank, subprocess.Popen([sys.executable, __file__, "rank", scenario], env=e,
                                                  stdout=err, stderr=subprocess.STDOUT)))
@@ -210,10 +212,11 @@ if __name__ != "__main__":
     class Run:
         """One world on two simulated hosts, watched until every host ends."""
 
-        def __init__(self, tmp, hosts: "netns.Hosts", per_host: int, scenario: str, torchrun: bool = False,
+        def __init__(self, tmp, hosts: "netns.Hosts", per_host, scenario: str, torchrun: bool = False,
                      env: Optional[Dict[str, str]] = None) -> None:
             self.dir = str(tmp)
-            self.per_host = per_host
+            self.layout = [per_host] * 2 if isinstance(per_host, int) else list(per_host)
+            self.host_of = [h for h, n in enumerate(self.layout) for _ in range(n)]
             self.flight_dir = os.path.join(self.dir, "flight")
             os.makedirs(self.flight_dir)
             port = 29400 + os.getpid() % 20000  # inside private namespaces: no clash with anything outside
@@ -228,7 +231,7 @@ if __name__ != "__main__":
                             "--nproc-per-node", str(per_host), "--master-addr", hosts.addr(0), "--master-port",
                             str(port), "--monitor-interval", "0.1", __file__, "rank", scenario]
                 else:
-                    argv = [sys.executable, __file__, "host", str(per_host), str(g), "2", scenario]
+                    argv = [sys.executable, __file__, "host", ",".join(map(str, self.layout)), str(g), scenario]
                 with open(os.path.join(self.dir, f"host{g}.log"), "w") as log:
                     self.procs.append(subprocess.Popen(hosts.command(g, argv), env=netns.clean_env(base),
                                                        stdout=log, stderr=subprocess.STDOUT,
@@ -256,7 +259,7 @@ if __name__ != "__main__":
 
         def rank_end(self, r: int) -> Optional[list]:
             """(time, exit status) of rank ``r`` from its host's launcher."""
-            path = os.path.join(self.dir, f"ended{r // self.per_host}.json")
+            path = os.path.join(self.dir, f"ended{self.host_of[r]}.json")
             if not os.path.exists(path):
                 return None
             with open(path) as f:
@@ -265,7 +268,7 @@ if __name__ != "__main__":
         def log(self, r: int) -> str:
             path = os.path.join(self.dir, f"stderr{r}")
             if not os.path.exists(path):
-                path = os.path.join(self.dir, f"host{r // self.per_host}.log")
+                path = os.path.join(self.dir, f"host{self.host_of[r]}.log")
             with open(path) as f:
                 return f.read()
 
@@ -274,7 +277,7 @@ if __name__ != "__main__":
             for g in range(2):
                 with open(os.path.join(self.dir, f"host{g}.log")) as f:
                     parts.append(f"--- host {g}: exit {self.procs[g].returncode}\n{f.read()[-4000:]}")
-            for r in range(2 * self.per_host):
+            for r in range(len(self.host_of)):
                 p = os.path.join(self.dir, f"stderr{r}")
                 if os.path.exists(p):
                     with open(p) as f:
@@ -337,6 +340,29 @@ if __name__ != "__main__":
         stuck = [f for f in flight.analyze([run.flight_dir]) if f.kind != "missing_dump"]
         assert stuck and stuck[0].ranks == [victim], [f.message for f in stuck]
 
+    def test_uneven_hosts_two_plus_one(tmp_path):
+        """2 + 1 ranks on two hosts, no variables (issue 20): every rank gets
+        the same CCL_ATL_SHM and the other settings that must agree, and every
+        collective is right (before: the host with one rank got no
+        CCL_ATL_SHM, its init failed with 'pmrt_kvs_get: decode failed' and
+        the others hung until the watchdog)."""
+        with netns.Hosts(("node-a", "node-b"), pid_shift=(0, 5)) as hosts:
+            run = Run(tmp_path, hosts, (2, 1), "world", env={"MULTIHOST_DEATH": "0"})
+            try:
+                run.wait(150)
+            finally:
+                run.kill()
+        info = run.describe()
+        keys = ("CCL_ALLREDUCE", "CCL_WORKER_OFFLOAD", "CCL_YIELD", "CCL_ATL_SHM", "FI_PROVIDER")
+        agreed = []
+        for r in range(3):
+            res = run.result(r)
+            assert res.get("checked") and "barrier" in res["checked"], f"rank {r} did not finish\n{info}"
+            assert res["hosts"] == [[0, 1], [2]] and res["local"] == [[0, 2], [1, 2], [0, 1]][r], res
+            assert res["applied"].get("CCL_KVS_IFACE") == "mn0", res
+            agreed.append(tuple(res["applied"].get(k) for k in keys))
+        assert len(set(agreed)) == 1 and agreed[0][3] == "1" and agreed[0][4] is None, agreed
+
     def test_same_hostname_and_pid_fails_at_once(tmp_path):
         """Equal hostnames and equal process ids on the two hosts (containers
         started alike): oneCCL's key-value store would fail and hang; every
@@ -379,6 +405,6 @@ if __name__ != "__main__":
 
 else:
     if sys.argv[1] == "host":
-        _host(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        _host([int(n) for n in sys.argv[2].split(",")], int(sys.argv[3]), sys.argv[4])
     else:
         SCENARIOS[sys.argv[2]]()

@@ -101,3 +101,79 @@ def test_two_rank_gather_prints_no_ccl_error(tmp_path):
         assert p.returncode == 0, err
         assert out == f"ok {r}\n", (out, err)
         assert "not completed event is destroyed" not in err, err
+
+
+_CHILD_DURING_FIRST_CALL = r"""
+import os, subprocess, sys, threading, time
+import torch, torch.distributed as dist, streamcoll
+original = os.readlink("/proc/self/fd/1")
+spawned = []
+
+def spawn_inside_the_first_call():
+    # A child started by another thread while fd 1 is streamcoll's pipe (oneCCL's first call).
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if os.readlink("/proc/self/fd/1") != original:
+            code = "import sys, time; time.sleep(2.5); sys.stdout.write('c' * 100000 + chr(10)); print('child done', flush=True)"
+            spawned.append(subprocess.Popen([sys.executable, "-c", code]))
+            return
+        time.sleep(0.0005)
+
+th = threading.Thread(target=spawn_inside_the_first_call)
+th.start()
+c = streamcoll.new_communicator(backend="oneccl", device="cpu", rank=0, world_size=1, store=dist.HashStore())
+t = torch.ones(2)
+c.all_reduce(t)
+th.join()
+print("inside", bool(spawned), flush=True)
+if spawned:
+    spawned[0].wait(30)  # blocks for good if nobody reads the child's pipe
+print("parent done", flush=True)
+c.destroy()
+"""
+
+
+@needs_oneccl
+def test_a_child_started_during_the_first_call_keeps_its_output(tmp_path):
+    """A subprocess started (by another thread) during oneCCL's first call
+    inherits fd 1 while it is streamcoll's pipe. Its output, 100 KB written
+    after the call returned, reaches stdout whole and it never blocks
+    (before: the pump's fd was closed under it, 'Bad file descriptor', and
+    a child writing over 64 KiB blocked for good)."""
+    env = dict(os.environ)
+    env.pop("CCL_LOG_LEVEL", None)
+    env.setdefault("CCL_KVS_IFACE", "lo")
+    p = subprocess.run([sys.executable, "-c", _CHILD_DURING_FIRST_CALL], env=env, capture_output=True, text=True,
+                       timeout=120, cwd=str(tmp_path))
+    assert "inside True" in p.stdout, (p.stdout[-500:], p.stderr[-3000:])  # the scenario happened
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "c" * 100000 + "\n" in p.stdout and "child done\n" in p.stdout, (len(p.stdout), p.stderr[-3000:])
+    assert p.stdout.endswith("parent done\n"), p.stdout[-300:]
+    assert "Bad file descriptor" not in p.stderr and "CCL_WARN" not in p.stdout, p.stderr[-3000:]
+
+
+_DEBUG_TO_STDOUT = r"""
+import logging, sys
+logging.basicConfig(stream=sys.stdout, level=logging.DEBUG)
+import torch, torch.distributed as dist, streamcoll
+c = streamcoll.new_communicator(backend="oneccl", device="cpu", rank=0, world_size=1, store=dist.HashStore())
+c.destroy()
+print("done", flush=True)
+"""
+
+
+@needs_oneccl
+def test_debug_logging_to_stdout_does_not_feed_back(tmp_path):
+    """``logging.basicConfig(stream=sys.stdout, level=logging.DEBUG)``: the
+    record about oneCCL's dropped line is logged once, after stdout is
+    back (before: it went into the filtered pipe, was filtered and logged
+    again, 527 nested prefixes in a 21.7 KB line)."""
+    env = dict(os.environ)
+    env.pop("CCL_LOG_LEVEL", None)
+    env.setdefault("CCL_KVS_IFACE", "lo")
+    p = subprocess.run([sys.executable, "-c", _DEBUG_TO_STDOUT], env=env, capture_output=True, text=True,
+                       timeout=120, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("oneCCL (dropped from stdout)") == 1, p.stdout[-3000:]
+    assert max(len(line) for line in p.stdout.splitlines()) < 1000, p.stdout[-3000:]
+    assert p.stdout.endswith("done\n"), p.stdout[-300:]

@@ -90,7 +90,29 @@ def _stuck() -> None:
         time.sleep(120)
 
 
-SCENARIOS = {"between": _between, "stuck": _stuck}
+def _late_peer() -> None:
+    """Rank 0 has its own handler for SIGNALS_SIG and all-reduces while
+    rank 1 arrives 3 s late."""
+    import torch
+    import streamcoll
+    rank = int(os.environ["RANK"])
+    signum = int(os.environ["SIGNALS_SIG"])
+    ran: List[float] = []
+    if rank == 0:
+        signal.signal(signum, lambda s, f: ran.append(time.time()))
+    comm = streamcoll.init(backend="oneccl", device="cpu", timeout=60)
+    comm.barrier()
+    t = torch.ones(4)
+    if rank == 0:
+        _out("rank0.json", {"entering": time.time()})
+    else:
+        time.sleep(3.0)
+    comm.all_reduce(t)
+    _out(f"rank{rank}.json", {"returned": time.time(), "sum": t[0].item(), "handler": ran})
+    streamcoll.destroy()
+
+
+SCENARIOS = {"between": _between, "stuck": _stuck, "late_peer": _late_peer}
 
 
 if __name__ != "__main__":
@@ -219,6 +241,29 @@ if __name__ != "__main__":
         else:
             assert f"did not return within {INTERRUPT_GRACE_S:g} s" in err, info
             assert INTERRUPT_GRACE_S <= took <= INTERRUPT_GRACE_S + 3.0, (took, info)
+
+    @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+    def test_users_handler_runs_while_a_collective_waits(tmp_path, signum):
+        """Rank 0 installed its own handler (a checkpoint-on-preemption
+        SIGTERM handler) and gets the signal while its all_reduce waits 3 s
+        for rank 1: the handler runs when the call returns, the sum is right
+        and both ranks end normally (before: exit 143 after 1 s, the handler
+        never ran, and the peer crashed in destroy)."""
+        ranks = Ranks("late_peer", 2, tmp_path, env={"SIGNALS_SIG": str(int(signum))})
+        try:
+            ranks.until(0, "entering")
+            time.sleep(1.0)  # inside the C call, waiting for rank 1
+            os.kill(ranks.procs[0].pid, signum)
+            ended = [ranks.wait(r, 60) for r in (0, 1)]
+        finally:
+            ranks.kill()
+        info = ranks.describe()
+        assert ended[0] is not None and ended[1] is not None, info
+        assert [p.returncode for p in ranks.procs] == [0, 0], info
+        res = ranks.result(0)
+        assert res["sum"] == 2.0 and len(res["handler"]) == 1, (res, info)
+        assert abs(res["handler"][0] - res["returned"]) < 0.5, res  # run by Python once the call returned
+        assert "your handler runs when the call returns" in ranks.text("stderr", 0), info
 
 else:
     SCENARIOS[sys.argv[1]]()

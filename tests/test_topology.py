@@ -86,34 +86,108 @@ def test_advertised_address_formats():
     assert topology.advertised_address("oneccl", b"garbage".ljust(256, b"\0")) is None
 
 
-def test_several_hosts_tables():
-    assert env.several_hosts_oneccl(1, False, "mn0") == {
-        "CCL_KVS_IFACE": "mn0", "CCL_MNIC_NAME": "mn0", "CCL_WORKER_OFFLOAD": "0",
-        "CCL_ALLREDUCE": "recursive_doubling:0-16384;nreduce:16385-max"}
-    assert env.several_hosts_oneccl(1, False, "mn0", world_size=3)["CCL_ALLREDUCE"] == "nreduce"
-    d = env.several_hosts_oneccl(2, True, "mn0")
-    assert d["CCL_ATL_SHM"] == "1" and d["CCL_WORKER_OFFLOAD"] == "1" and d["CCL_YIELD"] == "sched_yield"
-    assert "CCL_ATL_SHM" not in env.several_hosts_oneccl(2, True, "mn0", shm=False)
-    assert "FI_PROVIDER" not in d and "CCL_ALLREDUCE" not in d  # shm-only is for one host; oneCCL's choice
-    assert "CCL_KVS_IFACE" not in env.several_hosts_oneccl(1, False, None)
-    assert env.several_hosts_nccl("mn0") == {"NCCL_SOCKET_IFNAME": "=mn0"}  # exact name, not a prefix
+def _route(iface="mn0"):
+    return Route("10.77.0.1", "10.77.0.1", "10.77.0.2", iface)
 
 
-def test_apply_several_hosts_keeps_user_values(monkeypatch):
-    for k in ("CCL_KVS_IFACE", "CCL_MNIC_NAME", "CCL_WORKER_OFFLOAD", "CCL_LOCAL_RANK", "CCL_LOCAL_SIZE",
-              "CCL_LOG_LEVEL", "CCL_ATL_SHM", "CCL_YIELD", "STREAMCOLL_NO_ENV_DEFAULTS"):
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("CCL_MNIC_NAME", "ib0")
-    saved = dict(env.APPLIED)
-    env.APPLIED.clear()
-    try:
-        env.apply_oneccl_defaults(False, 1, 2, env.several_hosts_oneccl(2, False, "mn0"))
-        assert os.environ["CCL_MNIC_NAME"] == "ib0" and "CCL_MNIC_NAME" not in env.APPLIED
-        assert env.APPLIED["CCL_KVS_IFACE"] == "mn0" and env.APPLIED["CCL_LOCAL_RANK"] == "1"
-        assert "FI_PROVIDER" not in env.APPLIED
-    finally:
-        env.APPLIED.clear()
-        env.APPLIED.update(saved)
+def _hosts(layout, hostnames=None, cpus=(0, 1), machines=None, bound=None, defaults=None):
+    """Facts for ``layout`` (ranks per host), host i on machine i unless ``machines`` says otherwise."""
+    fs, r = [], 0
+    for h, n in enumerate(layout):
+        for _ in range(n):
+            fs.append(RankFacts(r, f"H{h}", (machines or {}).get(h, f"M{h}"), f"N{h}",
+                                (hostnames or {}).get(h, f"node{h}"), 100 + r, h, tuple(cpus), _route(),
+                                tuple((bound or {}).get(r, ())), (defaults or {}).get(r, True)))
+            r += 1
+    return fs
+
+
+def test_several_hosts_defaults():
+    plan = env.plan(Topology(_hosts([1, 1]), rank=1), "oneccl", environ={})
+    assert plan == {"CCL_KVS_IFACE": "mn0", "CCL_MNIC_NAME": "mn0", "CCL_WORKER_OFFLOAD": "0",
+                    "CCL_ALLREDUCE": "recursive_doubling:0-16384;nreduce:16385-max", "CCL_LOCAL_RANK": "0",
+                    "CCL_LOCAL_SIZE": "1", "CCL_LOG_LEVEL": "error"}, plan
+    assert env.agreed_defaults(Topology(_hosts([2, 1]), rank=0))["CCL_ALLREDUCE"] == "nreduce"
+    over = env.agreed_defaults(Topology(_hosts([2, 2], machines={1: "M0"}), rank=0))  # 4 ranks, 2 cores
+    assert over == {"CCL_WORKER_OFFLOAD": "1", "CCL_YIELD": "sched_yield", "CCL_ATL_SHM": "1"}, over
+    same_name = Topology(_hosts([2, 2], hostnames={1: "node0"}), rank=0)
+    assert "CCL_ATL_SHM" not in env.agreed_defaults(same_name)  # oneCCL would mix the hosts up
+    assert "CCL_KVS_IFACE" not in env.plan(Topology([dataclasses.replace(f, route=None) for f in _hosts([1, 1])],
+                                                    rank=0), "oneccl", environ={})
+    assert env.plan(Topology(_hosts([1, 1]), rank=0), "nccl", environ={}) == {"NCCL_SOCKET_IFNAME": "=mn0"}
+
+
+def test_uneven_hosts_agree_on_shm():
+    """2 + 1 ranks: the host with one rank gets CCL_ATL_SHM=1 too (before:
+    none there, and its init failed, 'pmrt_kvs_get: decode failed')."""
+    fs = _hosts([2, 1])
+    plans = [env.plan(Topology(fs, rank=r), "oneccl", environ={}) for r in range(3)]
+    assert [p.get("CCL_ATL_SHM") for p in plans] == ["1", "1", "1"], plans
+    assert [p["CCL_LOCAL_SIZE"] for p in plans] == ["2", "2", "1"]
+    keys = ("CCL_ALLREDUCE", "CCL_WORKER_OFFLOAD", "CCL_YIELD", "CCL_ATL_SHM", "FI_PROVIDER")
+    assert len({tuple(p.get(k) for k in keys) for p in plans}) == 1, plans
+
+
+def test_user_values_are_kept_and_ccl_mnic_gets_no_mnic_name():
+    """The user's CCL_MNIC (oneCCL's multi-NIC selection) gets no
+    CCL_MNIC_NAME beside it, which would narrow it to one interface
+    (before: CCL_MNIC_NAME set anyway); a user's CCL_MNIC_NAME is kept."""
+    topo = Topology(_hosts([2, 2]), rank=1)
+    plan = env.plan(topo, "oneccl", environ={"CCL_MNIC": "global", "CCL_MNIC_COUNT": "4"})
+    assert "CCL_MNIC_NAME" not in plan and plan["CCL_KVS_IFACE"] == "mn0", plan
+    plan = env.plan(topo, "oneccl", environ={"CCL_MNIC_NAME": "ib0"})
+    assert "CCL_MNIC_NAME" not in plan and plan["CCL_LOCAL_RANK"] == "1" and "FI_PROVIDER" not in plan, plan
+    assert env.plan(topo, "oneccl", environ={"STREAMCOLL_NO_ENV_DEFAULTS": "1"}) == {}
+
+
+def test_agreement_table_covers_every_native_variable():
+    from streamcoll import env_vars
+    native = {v.name for v in env_vars.TABLE if v.name.startswith(("CCL_", "FI_", "NCCL_"))}
+    assert native == set(env.AGREEMENT), native ^ set(env.AGREEMENT)
+    assert set(env.MUST_AGREE) == {"CCL_ALLREDUCE", "CCL_WORKER_OFFLOAD", "CCL_YIELD", "CCL_ATL_SHM",
+                                   "FI_PROVIDER", "CCL_ATL_TRANSPORT"}
+
+
+def test_conflicts_name_the_variable_ranks_and_values():
+    user = (("CCL_ALLREDUCE", "ring", env.USER),)
+    t = Topology(_hosts([3], bound={2: user}), rank=0)
+    assert t.agreed.conflicts_for("nccl") == []  # not NCCL's variable
+    (msg,) = t.agreed.conflicts_for("oneccl")
+    assert msg == ("CCL_ALLREDUCE: ranks 0, 1: 'nreduce' (streamcoll's default); rank 2: 'ring' (set by the user)"), msg
+    # The same value everywhere is no conflict; neither is one rank's value equal to the default.
+    assert not Topology(_hosts([3], bound={r: user for r in range(3)}), rank=0).agreed.conflicts
+    assert not Topology(_hosts([3], bound={1: (("CCL_ALLREDUCE", "nreduce", env.USER),)}), rank=0).agreed.conflicts
+    # Defaults off on one rank: its values are unset, the others' are not.
+    off = Topology(_hosts([2], defaults={1: False}), rank=0).agreed.conflicts
+    assert "rank 1: unset (unset)" in off["CCL_WORKER_OFFLOAD"], off
+    # A rank whose oneCCL already runs: the others take its values (it cannot change them) ...
+    running = tuple((k, v, env.IN_EFFECT) for k, v in (("CCL_ALLREDUCE", "ring"), ("CCL_WORKER_OFFLOAD", "0"),
+                                                       ("CCL_YIELD", None), ("CCL_ATL_SHM", "1"),
+                                                       ("FI_PROVIDER", "shm"), ("CCL_ATL_TRANSPORT", None)))
+    t = Topology(_hosts([2], bound={0: running}), rank=1)
+    assert not t.agreed.conflicts and t.agreed.values["CCL_ALLREDUCE"] == "ring"
+    assert env.plan(t, "oneccl", environ={})["CCL_ALLREDUCE"] == "ring"
+    # ... unless a user's value on another rank contradicts it.
+    t = Topology(_hosts([2], bound={0: running, 1: (("CCL_ALLREDUCE", "nreduce", env.USER),)}), rank=1)
+    assert "rank 0: 'ring' (in effect since this process's first oneCCL init)" in t.agreed.conflicts["CCL_ALLREDUCE"]
+
+
+def test_core_each_matches_ranks_to_cores():
+    assert topology.core_each([(0,), (1,)]) and topology.core_each([(0, 1), (0,)])
+    assert not topology.core_each([(0,), (0,)]) and not topology.core_each([(0,), (0,), (0, 1, 2)])
+    assert topology.core_each([(0, 1), (0, 1)]) and not topology.core_each([(0, 1)] * 3)
+
+
+def test_applied_values_do_not_stay_in_the_environment(monkeypatch):
+    """Set around the native call, removed after; a user's value is left
+    alone, and what streamcoll holds is not mistaken for the user's."""
+    monkeypatch.delenv("CCL_YIELD", raising=False)
+    monkeypatch.setenv("CCL_KVS_IFACE", "eth9")
+    with env.applied({"CCL_YIELD": "sched_yield", "CCL_KVS_IFACE": "lo"}, "nccl"):
+        assert os.environ["CCL_YIELD"] == "sched_yield" and os.environ["CCL_KVS_IFACE"] == "eth9"
+        assert "CCL_YIELD" not in env._user_env() and env._user_env()["CCL_KVS_IFACE"] == "eth9"
+    assert "CCL_YIELD" not in os.environ and os.environ["CCL_KVS_IFACE"] == "eth9"
+    assert env.APPLIED["CCL_YIELD"] == "sched_yield"
 
 
 def test_rendezvous_names_the_ranks_that_did_not_arrive():
@@ -187,3 +261,14 @@ def test_simulated_hosts_get_a_clean_environment(monkeypatch):
     assert not {"CCL_KVS_IFACE", "NCCL_SOCKET_IFNAME", "FI_PROVIDER", "RANK", "GLOO_SOCKET_IFNAME"} & set(e)
     why = netns.unavailable()
     assert why is None or isinstance(why, str) and why  # a reason to skip with, or nothing
+
+
+def test_facts_and_agreement_travel_as_json():
+    """What a rank reports (its bound values, whether it applies defaults)
+    and what the topology decides survive the store's JSON."""
+    import json
+    f = dataclasses.replace(topology.local_facts(0), defaults=False,
+                            bound=(("CCL_ALLREDUCE", "ring", env.USER), ("CCL_YIELD", None, env.IN_EFFECT)))
+    assert RankFacts.from_json(f.to_json()) == f
+    a = Topology(_hosts([2, 1], bound={1: (("CCL_ATL_SHM", "0", env.USER),)}), rank=0).agreed
+    assert a.conflicts and env.Agreed.from_json(json.loads(json.dumps(a.to_json()))) == a

@@ -1,0 +1,278 @@
+"""Every rank makes the same start-up decisions (issue 20), on real oneCCL
+ranks of one host, each a process of its own (``python
+tests/test_agreement.py SCENARIO``) with no oneCCL variable set:
+
+- ranks pinned to cores (``os.sched_setaffinity`` in the rank, as taskset,
+  a cpuset cgroup or ``srun --cpu-bind`` do): the settings that must agree
+  are the same on every rank, decided from every rank's CPU set, and the
+  sums are right (before: rank 0 chose recursive doubling, rank 1 nreduce,
+  and rank 0's sum was wrong by up to 1e28);
+- a variable that must agree, set by the user on one rank only: every rank
+  refuses before the native init, naming the variable, ranks and values;
+- the defaults never pose as the user's: a process that made a one-rank
+  communicator and then runs ``torchrun`` gives its children none of them,
+  and they get their own.
+
+The uneven layout on two simulated hosts (2 + 1) is in ``test_multihost.py``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from world import LOOPBACK_ENV, free_port, kill_sessions  # noqa: E402
+
+NATIVE_PREFIXES = ("CCL_", "FI_", "NCCL_")
+
+
+# ===================================================================== ranks
+def _out(data: dict) -> None:
+    path = os.path.join(os.environ["AGREE_OUT"], f"rank{os.environ['RANK']}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)
+
+
+def _caught() -> List[str]:
+    with open(f"/proc/{os.getpid()}/status") as f:
+        for line in f:
+            if line.startswith("SigCgt:"):
+                m = int(line.split()[1], 16)
+                return sorted(signal.Signals(i).name for i in range(1, 32)
+                              if m >> (i - 1) & 1 and i in signal.valid_signals())
+    return []
+
+
+def _native_env() -> Dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(NATIVE_PREFIXES)}
+
+
+def _sums() -> None:
+    """Pin this rank where AGREE_PIN says (``rank:cpu,cpu;...``), init with
+    no variables, and check all-reduces of several sizes."""
+    import torch
+    rank = int(os.environ["RANK"])
+    pins = dict(p.split(":") for p in os.environ.get("AGREE_PIN", "").split(";") if p)
+    if str(rank) in pins:
+        os.sched_setaffinity(0, {int(c) for c in pins[str(rank)].split(",")})
+    import streamcoll
+    from streamcoll import env
+    comm = streamcoll.init(backend="oneccl", device="cpu", timeout=30)
+    n = comm.size
+    errors = {}
+    for count in (100, 5000, 1 << 18):
+        t = torch.arange(count, dtype=torch.float32) + rank
+        comm.all_reduce(t)
+        want = n * torch.arange(count, dtype=torch.float32) + n * (n - 1) / 2
+        errors[count] = (t - want).abs().max().item()
+    _out({"errors": errors, "applied": dict(env.APPLIED), "env_after": _native_env(),
+          "cpus": sorted(os.sched_getaffinity(0))})
+    streamcoll.destroy()
+
+
+def _refused() -> None:
+    import streamcoll
+    t0 = time.monotonic()
+    try:
+        streamcoll.init(backend="oneccl", device="cpu", timeout=30)
+        res: Dict[str, object] = {"raised": None}
+    except Exception as e:
+        res = {"raised": type(e).__name__, "message": str(e)}
+    res.update(elapsed=time.monotonic() - t0, caught=_caught())
+    _out(res)
+
+
+def _nested_parent() -> None:
+    """A one-rank communicator, then torchrun with two ranks."""
+    import torch
+    import torch.distributed as dist
+    import streamcoll
+    from streamcoll import env
+    c = streamcoll.new_communicator(backend="oneccl", device="cpu", rank=0, world_size=1, store=dist.HashStore())
+    t = torch.ones(3)
+    c.all_reduce(t)
+    parent = {"applied": dict(env.APPLIED), "env_after": _native_env()}
+    port = free_port()
+    child_env = dict(os.environ, AGREE_CHILD="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                        "127.0.0.1", "--master-port", str(port), "--monitor-interval", "0.1", __file__,
+                        "nested_child"], env=child_env, capture_output=True, text=True, timeout=150)
+    parent.update(torchrun_rc=r.returncode, torchrun_err=r.stderr[-3000:])
+    c.destroy()
+    with open(os.path.join(os.environ["AGREE_OUT"], "parent.json"), "w") as f:
+        json.dump(parent, f)
+
+
+def _nested_child() -> None:
+    import torch
+    import streamcoll
+    from streamcoll import env
+    before = _native_env()
+    comm = streamcoll.init(backend="oneccl", device="cpu", timeout=60)
+    t = torch.ones(3)
+    comm.all_reduce(t)
+    _out({"env_before": before, "applied": dict(env.APPLIED), "sum": t.tolist()})
+    streamcoll.destroy()
+
+
+SCENARIOS = {"sums": _sums, "refused": _refused, "nested_parent": _nested_parent, "nested_child": _nested_child}
+
+
+# ==================================================================== tests
+if __name__ != "__main__":
+    import pytest
+
+    from conftest import needs_oneccl
+
+    pytestmark = [needs_oneccl, pytest.mark.world]
+
+    def _clean(extra: Optional[dict] = None) -> dict:
+        """The test process's environment without any native library's
+        variable (the suite sets CCL_KVS_IFACE=lo), plus ``extra``."""
+        e = {k: v for k, v in os.environ.items() if not k.startswith(NATIVE_PREFIXES)}
+        e.update({k: v for k, v in LOOPBACK_ENV.items() if not k.startswith(NATIVE_PREFIXES)})
+        e.update(extra or {})
+        return e
+
+    class Ranks:
+        """``size`` rank processes of one scenario, on this host."""
+
+        def __init__(self, scenario: str, size: int, tmp, env: Optional[dict] = None,
+                     per_rank: Optional[Dict[int, dict]] = None) -> None:
+            self.dir = str(tmp)
+            port = free_port()
+            self.procs: List[subprocess.Popen] = []
+            for r in range(size):
+                e = _clean({"RANK": str(r), "WORLD_SIZE": str(size), "LOCAL_RANK": str(r),
+                            "LOCAL_WORLD_SIZE": str(size), "MASTER_PORT": str(port), "AGREE_OUT": self.dir})
+                e.update(env or {})
+                e.update((per_rank or {}).get(r, {}))
+                with open(os.path.join(self.dir, f"log{r}"), "w") as log:
+                    self.procs.append(subprocess.Popen([sys.executable, __file__, scenario], env=e, stdout=log,
+                                                       stderr=subprocess.STDOUT, start_new_session=True))
+
+        def finish(self, timeout: float) -> None:
+            deadline = time.monotonic() + timeout
+            try:
+                for p in self.procs:
+                    p.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+            finally:
+                kill_sessions(self.procs)
+
+        def result(self, r: int) -> dict:
+            path = os.path.join(self.dir, f"rank{r}.json")
+            if not os.path.exists(path):
+                return {}
+            with open(path) as f:
+                return json.load(f)
+
+        def describe(self) -> str:
+            out = []
+            for r, p in enumerate(self.procs):
+                with open(os.path.join(self.dir, f"log{r}")) as f:
+                    out.append(f"--- rank {r}: exit {p.returncode}\n{f.read()[-3000:]}")
+            return "\n".join(out)
+
+    MUST_AGREE = ("CCL_ALLREDUCE", "CCL_WORKER_OFFLOAD", "CCL_YIELD", "CCL_ATL_SHM", "FI_PROVIDER")
+
+    @pytest.mark.parametrize("pins,offload", [
+        pytest.param("1:0", "0", id="one-rank-pinned"),
+        pytest.param("0:0;1:1", "0", id="separate-cores"),
+        pytest.param("0:0;1:0", "1", id="one-core-for-both"),
+    ])
+    def test_pinned_ranks_agree_and_sum_right(tmp_path, pins, offload):
+        """No variables; ranks pinned in the child. The settings that must
+        agree are equal on both ranks, judged from both CPU sets (two ranks
+        on separate cores have a core each: no worker offload; two on one
+        core are oversubscribed: offload and yield), and every sum is right."""
+        ranks = Ranks("sums", 2, tmp_path, env={"AGREE_PIN": pins})
+        ranks.finish(120)
+        info = ranks.describe()
+        res = [ranks.result(r) for r in range(2)]
+        assert all(res), info
+        for r in range(2):
+            assert all(e == 0 for e in res[r]["errors"].values()), (r, res[r]["errors"], info)
+        agreed = [{k: x["applied"].get(k) for k in MUST_AGREE} for x in res]
+        assert agreed[0] == agreed[1], (agreed, info)
+        assert agreed[0]["CCL_WORKER_OFFLOAD"] == offload, agreed
+        assert agreed[0]["CCL_YIELD"] == ("sched_yield" if offload == "1" else None), agreed
+        assert agreed[0]["CCL_ALLREDUCE"] == ("nreduce" if offload == "1" else
+                                              "recursive_doubling:0-16384;nreduce:16385-max"), agreed
+
+    @pytest.mark.parametrize("mnic", [None, "global"], ids=["no-CCL_MNIC", "CCL_MNIC"])
+    def test_ccl_mnic_gets_no_mnic_name(tmp_path, mnic):
+        """Two torchrun nodes on this machine (two hosts to streamcoll, the
+        interface reaching MASTER_ADDR is lo): CCL_MNIC_NAME=lo by default,
+        none where the user set CCL_MNIC (oneCCL's multi-NIC selection, which
+        one name would narrow to one interface); the sums are right."""
+        env = {"CCL_MNIC": mnic} if mnic else {}
+        per_rank = {r: {"GROUP_RANK": str(r), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"} for r in range(2)}
+        ranks = Ranks("sums", 2, tmp_path, env=env, per_rank=per_rank)
+        ranks.finish(120)
+        info = ranks.describe()
+        for r in range(2):
+            res = ranks.result(r)
+            assert res and all(e == 0 for e in res["errors"].values()), info
+            assert res["applied"].get("CCL_KVS_IFACE") == "lo" and res["applied"]["CCL_LOCAL_SIZE"] == "1", res
+            assert res["applied"].get("CCL_MNIC_NAME") == (None if mnic else "lo"), res
+
+    def test_a_must_agree_variable_on_one_rank_is_refused_everywhere(tmp_path):
+        """CCL_ALLREDUCE=ring on rank 1 only: both ranks raise before the
+        native init (oneCCL installs its signal handlers there: none are),
+        naming the variable, the ranks and their values."""
+        ranks = Ranks("refused", 2, tmp_path, per_rank={1: {"CCL_ALLREDUCE": "ring"}})
+        ranks.finish(90)
+        info = ranks.describe()
+        for r in range(2):
+            res = ranks.result(r)
+            assert res.get("raised") == "CommunicatorError", info
+            msg = res["message"]
+            assert "CCL_ALLREDUCE" in msg and "rank 1: 'ring' (set by the user)" in msg, msg
+            assert "rank 0: 'recursive_doubling:0-16384;nreduce:16385-max' (streamcoll's default)" in msg, msg
+            assert "SIGSEGV" not in res["caught"], res  # oneCCL never initialised
+            assert res["elapsed"] < 25, res
+
+    def test_nested_torchrun_gets_its_own_defaults(tmp_path):
+        """A process that made a one-rank communicator runs torchrun with two
+        ranks: nothing streamcoll applied is left in its environment, its
+        children inherit none of it (before: CCL_LOCAL_SIZE=1,
+        FI_PROVIDER=shm ... and the children applied nothing), and they
+        apply their own (CCL_LOCAL_SIZE=2)."""
+        e = _clean({"AGREE_OUT": str(tmp_path), "RANK": "0"})
+        with open(os.path.join(tmp_path, "log"), "w") as log:
+            p = subprocess.Popen([sys.executable, __file__, "nested_parent"], env=e, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            p.wait(200)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            kill_sessions([p])
+        with open(os.path.join(tmp_path, "log")) as f:
+            info = f.read()[-4000:]
+        with open(os.path.join(tmp_path, "parent.json")) as f:
+            parent = json.load(f)
+        assert parent["applied"]["CCL_LOCAL_SIZE"] == "1", parent
+        assert parent["env_after"] == {}, parent
+        assert parent["torchrun_rc"] == 0, (parent["torchrun_err"], info)
+        for r in range(2):
+            with open(os.path.join(tmp_path, f"rank{r}.json")) as f:
+                child = json.load(f)
+            assert child["env_before"] == {}, child
+            assert child["applied"]["CCL_LOCAL_SIZE"] == "2" and child["applied"]["CCL_LOCAL_RANK"] == str(r), child
+            assert child["applied"]["FI_PROVIDER"] == "shm", child
+            assert child["sum"] == [2.0] * 3, child
+
+else:
+    SCENARIOS[sys.argv[1]]()
