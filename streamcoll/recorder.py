@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 from .env_vars import read_int
 
 __all__ = ["FlightRecorder", "FlightEntry", "attach", "default_dir",
-           "ENQUEUED", "RUNNING", "LAUNCHED", "COMPLETED", "FAILED"]
+           "ENQUEUED", "RUNNING", "LAUNCHED", "COMPLETED", "FAILED", "P2P_GROUP", "COALESCED_P2P"]
 
 # States.
 ENQUEUED = "enqueued"    # async, waiting for the comm thread
@@ -23,6 +23,12 @@ RUNNING = "running"      # inside the C call
 LAUNCHED = "launched"    # GPU: enqueued on a stream; completion unknown yet
 COMPLETED = "completed"
 FAILED = "failed"
+
+# Launch names of grouped point-to-point work, which counts as point to point
+# (it advances the p2p count, not the collective one), like the table's p2p
+# ops: posted ops launched together, and a coalescing block holding p2p ops.
+P2P_GROUP = "p2p_group"
+COALESCED_P2P = "coalesced_p2p"
 
 now_ns = time.monotonic_ns
 wref = weakref.ref
