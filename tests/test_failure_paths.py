@@ -510,3 +510,37 @@ def test_queued_work_after_abort_with_a_late_peer(tmp_path):
         assert r0[k + "_future_failed"] is True, info
     assert r0["b"] == [1.0] * 4, info
     assert ranks.result(1)["x"] == [2.0] * 4, info
+
+
+# ------------------------- the shared world: the process group's coalesced ops
+def _pg_coalesced(comm, port: int):
+    r, n = comm.rank, comm.size
+    _gloo_init(port, r, n, "streamcoll")
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        a, b = torch.full((2,), float(r + 1)), torch.full((3,), float(r + 1))
+        dist.all_reduce(torch.ones(1))  # creates the group's communicator
+        c = pg.communicator(torch.device("cpu"))
+        seq0 = c.seq
+        pg.allreduce_coalesced([a, b]).wait()
+        outs = [torch.empty(2 * n), torch.empty(n)]
+        pg.allgather_into_tensor_coalesced(outs, [torch.full((2,), float(r)), torch.full((1,), float(r))]).wait()
+        return c.seq - seq0, a.tolist(), b.tolist(), [o.tolist() for o in outs]
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_oneccl
+@pytest.mark.world
+def test_process_group_coalesced_ops_go_out_as_one_group():
+    """Finding 4 through the process group: allreduce_coalesced and
+    allgather_into_tensor_coalesced build partials of the communicator's
+    (fast-path) methods before coalescing(): each call is one group launch
+    (one sequence number), not ops run inline one by one."""
+    w = get_world(2)
+    res = w.run(_pg_coalesced, free_port())
+    n = 2
+    for r, (nseq, a, b, outs) in enumerate(res):
+        assert nseq == 2, res  # two group launches
+        assert a == [3.0] * 2 and b == [3.0] * 3, res
+        assert outs == [[float(k) for k in range(n) for _ in range(2)], [float(k) for k in range(n)]], res
