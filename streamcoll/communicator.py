@@ -108,7 +108,7 @@ from .plans import PlanContext
 from .spec import Plan
 from .streams import Lane, runtime_for
 from . import work as _work
-from .work import POSTING, POSTING_LOCK, REAPER, PostedWork, Work, launch_posted
+from .work import POSTING, REAPER, PostedWork, Work, launch_posted
 
 log = logging.getLogger("streamcoll")
 
@@ -220,8 +220,13 @@ def _after_fork_in_child() -> None:
     """A forked child inherits the parent's communicators but not its ranks'
     peers: mark them unusable (no per-call pid check on the hot path), so a
     call raises instead of driving the parent's native communicator."""
+    # the parent's posted ops are not the child's; a parent thread may have held the lock at fork
+    _work.POSTING_LOCK = threading.RLock()
+    POSTING.clear()
     for c in list(_LIVE):
         c._forked = True
+        c._posted = []
+        c._post_lock = threading.Lock()
         if not c._destroyed and c._failed is None:
             c.mark_failed(CommunicatorError(
                 f"communicator {c.name!r} was created in process {c._pid} and cannot be used after "
@@ -422,16 +427,17 @@ class Communicator(CollectiveMethods):
         the general path once it may not run. (While p2p ops are posted,
         every synchronous call takes the general path, which launches them
         first, or, for send/recv on their communicator, together with them.)"""
-        usable = not self._destroyed and self._failed is None and self._handle is not None and not self._forked
-        ok = usable and not self._pre_hooks and self._coalescing is None and not POSTING
-        self._usable = usable
-        self._fast_ok = ok
-        d = self.__dict__
-        if ok:
-            d.update(self._fast)
-        else:
-            for k in self._fast:
-                d.pop(k, None)
+        with _work.POSTING_LOCK:  # against a concurrent post turning every communicator's fast paths off
+            usable = not self._destroyed and self._failed is None and self._handle is not None and not self._forked
+            ok = usable and not self._pre_hooks and self._coalescing is None and not POSTING
+            self._usable = usable
+            self._fast_ok = ok
+            d = self.__dict__
+            if ok:
+                d.update(self._fast)
+            else:
+                for k in self._fast:
+                    d.pop(k, None)
 
     @property
     def fast_path(self) -> bool:
@@ -713,7 +719,7 @@ class Communicator(CollectiveMethods):
         posted ops) in step with ``_posted``; when it turns empty or
         non-empty, every live communicator's fast paths are refreshed (a
         synchronous call anywhere must launch posted ops first)."""
-        with POSTING_LOCK:
+        with _work.POSTING_LOCK:
             was = bool(POSTING)
             if self._posted:
                 POSTING[id(self)] = self
