@@ -40,6 +40,28 @@ while [ $# -gt 0 ]; do
 done
 say() { echo "[gpu_check] $*"; }
 CUDA_TESTS=(tests/test_cuda.py tests/test_reliability.py tests/test_compile.py tests/test_process_group.py)
+PYTEST_FLAGS=(-m cuda -p no:cacheprovider -q -rA)
+# Per-test timeouts need pytest-timeout (the GPU machine's image has it; an
+# unknown --timeout would make pytest exit 4 having run nothing). Without it,
+# each file runs under its own `timeout` instead. Decided by asking pytest
+# itself (PYTEST_ADDOPTS="-p no:timeout" shows the fallback here).
+if "$PY" -m pytest --help -p no:cacheprovider 2>/dev/null | grep -c -- '--timeout=' >/dev/null; then  # not -q: SIGPIPE under pipefail
+  TIMEOUT_PLUGIN=1
+else
+  TIMEOUT_PLUGIN=0
+fi
+# The pytest command lines of the run, one per line: the dry run collects
+# exactly these (every plugin and flag), the run executes them.
+pytest_runs() {
+  if [ "$TIMEOUT_PLUGIN" = 1 ]; then
+    echo "300|cuda_junit.xml|${PYTEST_FLAGS[*]} --timeout 120 ${CUDA_TESTS[*]}"
+  else
+    local f
+    for f in "${CUDA_TESTS[@]}"; do
+      echo "120|cuda_junit_$(basename "$f" .py).xml|${PYTEST_FLAGS[*]} $f"
+    done
+  fi
+}
 
 download() {
   mkdir -p "$WHL"
@@ -56,7 +78,11 @@ download() {
 plan() {
   say "plan on the GPU machine:"
   say "  install .whl/*.whl into $SITE (PYTHONPATH=$SITE:$ROOT)"
-  say "  timeout 300 python -m pytest -m cuda ${CUDA_TESTS[*]}"
+  if [ "$TIMEOUT_PLUGIN" = 1 ]; then say "  pytest-timeout present: per-test timeouts (--timeout 120)"
+  else say "  pytest-timeout absent: each test file under its own timeout"; fi
+  while IFS='|' read -r secs junit args; do
+    say "  timeout $secs python -m pytest $args --junitxml=OUT/$junit"
+  done < <(pytest_runs)
   say "  timeout 120 python -m streamcoll.bench.overhead --device cuda --calls 2000 --reps 15 --profile"
   say "  write summary.txt, cuda_tests.log, cuda_junit.xml, overhead_cuda.txt/.json under --out"
 }
@@ -77,8 +103,13 @@ for w in glob.glob('$WHL/*.whl'):
   for t in "${CUDA_TESTS[@]}" streamcoll/bench/overhead.py; do
     [ -f "$t" ] || { say "MISSING: $t"; ok=0; }
   done
-  n="$("$PY" -m pytest -m cuda --collect-only -q -p no:cacheprovider "${CUDA_TESTS[@]}" 2>/dev/null \
-        | grep -c '::' || true)"
+  n=0
+  while IFS='|' read -r secs junit args; do
+    # shellcheck disable=SC2086  # the flags are words
+    log="$("$PY" -m pytest $args --collect-only 2>&1)"; rc=$?
+    [ "$rc" = 0 ] || { say "MISSING: pytest refused the run's flags (exit $rc): $args"; echo "$log" | tail -3; ok=0; }
+    n=$(( n + $(echo "$log" | grep -c '::' || true) ))
+  done < <(pytest_runs)
   say "cuda tests collected: $n"
   [ "${n:-0}" -ge 12 ] || { say "MISSING: at least 12 cuda tests"; ok=0; }
   "$PY" -m streamcoll.bench.overhead --help >/dev/null || { say "MISSING: streamcoll.bench.overhead"; ok=0; }
@@ -105,9 +136,13 @@ export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NC
   2>&1 | tee "$OUT/summary.txt"
 "$PY" -m streamcoll info > "$OUT/info.txt" 2>&1
 say "cuda tests"
-timeout 300 "$PY" -m pytest -m cuda -p no:cacheprovider -q -rA --timeout 120 \
-  --junitxml="$OUT/cuda_junit.xml" "${CUDA_TESTS[@]}" > "$OUT/cuda_tests.log" 2>&1
-trc=$?
+trc=0
+: > "$OUT/cuda_tests.log"
+while IFS='|' read -r secs junit args; do
+  # shellcheck disable=SC2086
+  timeout "$secs" "$PY" -m pytest $args --junitxml="$OUT/$junit" >> "$OUT/cuda_tests.log" 2>&1
+  rc=$?; [ "$rc" = 0 ] || trc=$rc
+done < <(pytest_runs)
 say "overhead benchmark"
 timeout 120 "$PY" -m streamcoll.bench.overhead --device cuda --calls 2000 --reps 15 --profile \
   --out "$OUT/overhead_cuda" > "$OUT/overhead_stdout.log" 2>&1
@@ -117,8 +152,11 @@ import json, os, sys
 import xml.etree.ElementTree as ET
 out, trc, brc, secs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 try:
-    root = ET.parse(os.path.join(out, "cuda_junit.xml")).getroot()
-    cases = list(root.iter("testcase"))
+    import glob
+    reports = sorted(glob.glob(os.path.join(out, "cuda_junit*.xml")))
+    if not reports:
+        raise FileNotFoundError("no cuda_junit*.xml")
+    cases = [c for f in reports for c in ET.parse(f).getroot().iter("testcase")]
     res = {"passed": [], "failed": [], "skipped": []}
     for c in cases:
         name = f"{c.get('classname')}::{c.get('name')}"

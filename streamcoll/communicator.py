@@ -891,7 +891,7 @@ class Communicator(CollectiveMethods):
                         fut.set_exception(e)
                     return
                 w._set_future()
-            threading.Thread(target=_poll, daemon=True, name="streamcoll-future").start()
+            helper_threads.Thread(target=_poll, daemon=True, name="streamcoll-future").start()
 
     def comm_stream(self, current: Any = None) -> Any:
         """The comm stream serving ``current`` (a stream of this device;
@@ -977,15 +977,20 @@ class Communicator(CollectiveMethods):
         newh = self._backend.split(self._handle, c, new_rank, in_progress_ok=self.nonblocking)
         if c < 0:
             return None
+        if self.nonblocking:
+            # the child inherits blocking=0: ncclCommSplit may return while it
+            # initialises. Ready (or aborted and raised) before a Communicator,
+            # and with it the watchdog, ever holds the handle.
+            from .watchdog import nccl_wait_ready
+            nccl_wait_ready(self._backend, newh, self.timeout if timeout is None else timeout, "split",
+                            new_rank, len(members))
         child = Communicator(
             self._backend, self._device, newh, new_rank, len(members),
             self.timeout if timeout is None else timeout, self.record_stream, self._store,
             name=f"{self.name}/split{c}",
         )
         if self.nonblocking:
-            # the child inherits blocking=0: ncclCommSplit may return while it initialises
-            from .watchdog import make_nonblocking, nccl_wait_ready
-            nccl_wait_ready(self._backend, newh, child.timeout, "split", new_rank, len(members))
+            from .watchdog import make_nonblocking
             make_nonblocking(child)
         return child
 

@@ -20,6 +20,12 @@ that just starts calling:
 
 If the mode cannot be set (no CUDA runtime found, or the call fails), the
 thread goes on and a warning says once per process why and what it means.
+
+Both are the *calling thread's* state, so :func:`prepare` acts only on
+streamcoll's own helper threads (started as :class:`Thread`). Called on any
+other thread (a user's main thread running ``REAPER.reap()``, say) it does
+nothing: switching a user's thread to thread-local capture mode, or its
+current device, would change what the user's own code does next.
 """
 from __future__ import annotations
 
@@ -29,12 +35,26 @@ from typing import Optional
 
 import torch
 
-__all__ = ["prepare", "set_thread_local_capture_mode", "thread_mode"]
+__all__ = ["Thread", "is_helper", "prepare", "set_thread_local_capture_mode", "thread_mode"]
 
 log = logging.getLogger("streamcoll")
 
 _local = threading.local()
 _warned = False
+
+
+class Thread(threading.Thread):
+    """A streamcoll helper thread (the watchdog, the reaper, the
+    ``get_future`` pollers): :func:`prepare` acts on these only."""
+
+    def run(self) -> None:
+        _local.helper = True
+        super().run()
+
+
+def is_helper() -> bool:
+    """Whether the calling thread is a streamcoll helper thread (:class:`Thread`)."""
+    return getattr(_local, "helper", False)
 
 
 def set_thread_local_capture_mode() -> int:
@@ -54,7 +74,10 @@ def set_thread_local_capture_mode() -> int:
 def prepare(device_index: Optional[int]) -> None:
     """Before a helper thread's CUDA calls for a communicator on CUDA device
     ``device_index``: use that device, and (once per thread) thread-local
-    capture mode. Cheap when already done: a comparison and an attribute read."""
+    capture mode. Cheap when already done: a comparison and an attribute read.
+    A no-op on a thread that is not a helper thread (:func:`is_helper`)."""
+    if not getattr(_local, "helper", False):
+        return
     if device_index is not None and torch.cuda.current_device() != device_index:
         torch.cuda.set_device(device_index)
     if getattr(_local, "mode", None) is not None:

@@ -154,6 +154,13 @@ def build_sync_launcher(comm: Any) -> Callable[[str, Plan, Any], Any]:
     return _compile(src, "launch_sync", ns, f"launch_sync/{comm._device.type}")
 
 
+def _grow_scratch(sc: List[torch.Tensor], n: int) -> torch.Tensor:
+    """The widened fast path's float32 scratch, grown to at least ``n``
+    elements (by doubling: a few growths, then reuse)."""
+    sc[0] = torch.empty(max(n, 2 * sc[0].numel()), dtype=torch.float32)
+    return sc[0]
+
+
 def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]) -> Optional[Callable[..., Any]]:
     """The generated synchronous fast path of ``spec`` for ``comm`` (None
     where the device or library has none: XPU, a missing C function)."""
@@ -187,7 +194,21 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         conds.append(f"{b}.is_contiguous()")
     send = spec.send or spec.recv
     assert send is not None
-    conds.append(f"(d := _dtypes.get({send}.dtype)) is not None")
+    # Reductions of a dtype the library rounds badly (oneCCL CPU bf16,
+    # backends._WIDENED) run through the wider dtype here too: the inputs are
+    # copied into float32 scratch this fast path owns (grown, reused; freed
+    # with it), reduced there, and the result is rounded once into the
+    # output. The copies run inside the exec lock (two threads' calls cannot
+    # share the scratch) and only when nothing is queued (the sync strategy's
+    # condition), so no queued work can still be reading it.
+    wide = bool(spec.reduces and cx.widened and not gpu)
+    if wide:
+        ns["_wide"] = {k: cx.dtypes[v] for k, v in cx.widened.items()}
+        ns["_sc"] = [torch.empty(0, dtype=torch.float32)]
+        ns["_grow"] = _grow_scratch
+        conds.append(f"((d := _dtypes.get({send}.dtype)) is not None or (d := _wide.get({send}.dtype)) is not None)")
+    else:
+        conds.append(f"(d := _dtypes.get({send}.dtype)) is not None")
     for b in bufs:
         if b != send:
             conds.append(f"{b}.dtype is {send}.dtype")
@@ -237,15 +258,50 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         on_root = f" and {peer} == _rank" if spec.post_on_root_only and peer else ""
         post = f"        if a{on_root}:\n            {spec.recv or spec.send}.div_(_size)\n"
     ptr_of: Dict[str, str] = {}
-    for i, b in enumerate(dict.fromkeys(x for x in (spec.send, spec.recv) if x)):
-        lines.append(f"p{i} = _ptrs({b}.data_ptr()) or _vp({b})")
-        ptr_of[b] = f"p{i}"
+    distinct = list(dict.fromkeys(x for x in (spec.send, spec.recv) if x))
+    if wide:
+        # w<i>: the float32 stand-in of buffer i (one flat scratch, consecutive regions)
+        sizes = [f"m_{b}" if b == cbuf else f"{b}.numel()" for b in distinct]
+        lines.append(f"wd = {send}.dtype in _wide")
+        lines.append("if wd:")
+        if len(distinct) == 1:
+            lines.append(f"    z0 = {sizes[0]}")
+            lines.append("    q = _sc[0] if _sc[0].numel() >= z0 else _grow(_sc, z0)")
+            lines.append("    w0 = q[:z0]")
+        else:
+            lines.append(f"    z0 = {sizes[0]}")
+            lines.append(f"    z1 = {sizes[1]}")
+            lines.append("    q = _sc[0] if _sc[0].numel() >= z0 + z1 else _grow(_sc, z0 + z1)")
+            lines.append("    w0 = q[:z0]")
+            lines.append("    w1 = q[z0:z0 + z1]")
+        for i, b in enumerate(distinct):
+            lines.append(f"    p{i} = _ptrs(w{i}.data_ptr()) or _vp(w{i})")
+        lines.append("else:")
+        for i, b in enumerate(distinct):
+            lines.append(f"    p{i} = _ptrs({b}.data_ptr()) or _vp({b})")
+            ptr_of[b] = f"p{i}"
+    else:
+        for i, b in enumerate(distinct):
+            lines.append(f"p{i} = _ptrs({b}.data_ptr()) or _vp({b})")
+            ptr_of[b] = f"p{i}"
     vals = {"send": ptr_of.get(spec.send or "", ""), "recv": ptr_of.get(spec.recv or "", ""), "count": "n",
             "dtype": "d", "op": "r", "root": peer or "", "peer": peer or "", "comm": "_h",
             "stream": "_native(hs)" if gpu else "_null"}
     if gpu:
         lines.append("hs = _raw(_idx)")
     call = "_f(" + ", ".join(vals[r] for r in roles) + ")"
+    if wide:
+        out_b = spec.recv or spec.send
+        oi = distinct.index(out_b)
+        # the copy in, under the lock, right before the call; the result's one rounding in post
+        call = f"(wd and w0.copy_({send}.view(-1)), {call})[1]"
+        on_root = f" and {peer} == _rank" if spec.post_on_root_only and peer else ""
+        post = f"        if wd{on_root}:\n"
+        if fast_avg:
+            post += f"            if a:\n                w{oi}.div_(_size)\n"
+        post += f"            {out_b}.view(-1).copy_(w{oi})\n"
+        if fast_avg:
+            post += f"        elif a{on_root}:\n            {out_b}.div_(_size)\n"
     if gpu:
         ns["_idx"] = comm._rt.index
         ns["_raw"] = comm._rt.raw_current

@@ -62,6 +62,27 @@ def _after(pre: Callable[[], Any], f: Callable[..., int]) -> Callable[..., int]:
     return fn
 
 
+def _premul(f: Callable[..., int], create: Callable[..., int], destroy: Callable[..., int], ffi: Any,
+            scalar: Any, dtype: int, residence: int, comm: Any, pos: int) -> Callable[..., int]:
+    """``f`` with its reduction (argument ``pos``) a PreMulSum of the
+    library's own, created at launch from the host scalar ``scalar`` and
+    destroyed right after (as ProcessGroupNCCL does per collective: NCCL
+    reads a host-immediate scalar at creation, and the op may be destroyed
+    once the collective is enqueued)."""
+    def fn(*args: Any) -> int:
+        opp = ffi.new("ncclRedOp_t *")
+        rc = create(opp, scalar, dtype, residence, comm)
+        if rc:
+            return int(rc)
+        a = list(args)
+        a[pos] = opp[0]
+        try:
+            return int(f(*a))
+        finally:
+            destroy(opp[0], comm)
+    return fn
+
+
 def _then(post: Optional[Callable[[], Any]], wide: torch.Tensor, out: torch.Tensor) -> Callable[[], Any]:
     """``post`` (on the wide result), then the one rounding into ``out``
     (``copy_`` rounds to nearest even)."""
@@ -94,6 +115,17 @@ class PlanContext:
         # dtype -> the dtype its reductions run in (oneCCL CPU bf16: float32)
         self.widened: Dict[torch.dtype, torch.dtype] = b.widened(comm._device.type)
         self.op_cache: Dict[Any, tuple] = {}
+        # PREMUL_SUM as the library's own reduction (NCCL >= 2.11:
+        # ncclRedOpCreatePreMulSum), which multiplies each input before the
+        # sum as torch does; SUM then scaling the result instead can overflow
+        # fp16 (8 ranks of 1e4 sum past 65504 before the 1/8) and rounds bf16
+        # differently. oneCCL 2022.2 returns NotImplemented for it.
+        self.premul_c: Optional[Tuple[Any, Any]] = None
+        if b.name == "nccl" and "PREMUL_SUM" not in self.emulated:
+            try:
+                self.premul_c = (self.lib.ncclRedOpCreatePreMulSum, self.lib.ncclRedOpDestroy)
+            except Exception:  # an NCCL older than 2.11 (lazy symbols raise): post-scaling
+                self.premul_c = None
         self.declarations = _declarations(b.binding.declarations)
         # C functions, resolved once (functions the library lacks stay None).
         self.c: Dict[str, Any] = {}
@@ -185,6 +217,10 @@ class PlanContext:
             if name == "PREMUL_SUM" and dtype not in FLOATS:
                 raise TypeError(f"op: PREMUL_SUM needs a floating dtype in {opname}, got {dtype} "
                                 f"on backend {b.name!r}")
+            if name == "PREMUL_SUM" and self.premul_c is not None:
+                spec = (None, "NATIVE_PREMUL", factor)  # created per launch (plans._premul)
+                self.op_cache[key] = spec
+                return spec
             if name == "AVG" and dtype not in FLOATS and dtype not in self.dtypes:
                 raise TypeError(f"op: AVG is not supported for {dtype} in {opname} on backend {b.name!r}")
             spec = (b.ops["SUM"], name, factor)  # SUM, then scale the result on the same stream
@@ -282,6 +318,15 @@ class PlanContext:
                 keep = keep + (send, recv)
                 f = _after(lambda: send.copy_(nsend), f)
                 post = _then(self.post(kind, factor, recv, applies), recv, nrecv) if applies else None
+            elif kind == "NATIVE_PREMUL":
+                assert self.premul_c is not None
+                scalar = torch.tensor([factor], dtype=send.dtype)  # host-immediate, of the op's dtype
+                keep = keep + (scalar,)
+                roles_ = [r for r in c_roles(self.declarations, self.backend.funcs[spec.name]) if r != "stream"]
+                create, destroy = self.premul_c
+                f = _premul(f, create, destroy, self.ffi, self.vp(scalar), d,
+                            self.backend.binding.const("ncclScalarHostImmediate"), self.handle, roles_.index("op"))
+                red = self.backend.ops["SUM"]  # a placeholder: replaced at launch
             else:
                 post = self.post(kind, factor, recv, applies)
         vp = self.vp

@@ -63,6 +63,7 @@ class SlotEvent:
             rc = o.lib.cudaEventQuery(self.handle)
         if rc == 0:
             return True
+        o.clear_last_error(rc)  # the runtime keeps it as this thread's last error, which torch's next launch check reads
         if rc == o.not_ready:
             return False
         raise o.binding.error("cudaEventQuery", rc)
@@ -93,6 +94,8 @@ class SyncEvents:
         self.streams: Dict[int, Any] = {}
         self.status = self.ffi.new("enum cudaStreamCaptureStatus *")
         self._new = self.ffi.new("cudaEvent_t *")
+        self._dev = self.ffi.new("int *")
+        self._prev = self.ffi.new("int *")
         self.closed = False
         self.lock = threading.Lock()
         self.failures = 0
@@ -113,7 +116,10 @@ class SyncEvents:
             "    ev = _sev_slots[seq & _sev_mask]\n"
             "    if ev is None:\n"
             "        ev = _sev.slot(seq)\n"
-            "    if ev is not None and (rc2 := _sev_record(ev.handle, cs)) == 0:\n"
+            # the legacy stream (hs 0) is the *current device's*: record there only on the
+            # communicator's device (a thread that never set one is on device 0)
+            "    if ev is not None and (rc2 := (_sev_record(ev.handle, cs) if hs or (_sev_getdev(_sev_dev) == 0 and "
+            "_sev_dev[0] == _sev_index) else _sev.record_on_device(ev, cs))) == 0:\n"
             "        e.event = ev\n"
             "    else:\n"
             "        e.event = _sev.failed('cudaEventRecord', rc2 if ev is not None else 0)\n"
@@ -131,7 +137,8 @@ class SyncEvents:
         lib = self.lib
         return {"_sev": self, "_sev_streams": self.streams, "_sev_slots": self.slots, "_sev_mask": self.mask,
                 "_sev_status": self.status, "_sev_every": self.every, "_sev_count": self.count,
-                "_sev_capturing": lib.cudaStreamIsCapturing, "_sev_record": lib.cudaEventRecord}
+                "_sev_capturing": lib.cudaStreamIsCapturing, "_sev_record": lib.cudaEventRecord,
+                "_sev_getdev": lib.cudaGetDevice, "_sev_dev": self._dev, "_sev_index": self.device_index}
 
     def recorder(self):  # type: ignore[no-untyped-def]
         """``record(e, seq, hs)``: :meth:`source` as a function (the same
@@ -167,9 +174,38 @@ class SyncEvents:
         self.created += 1
         return SlotEvent(self._new[0], self)
 
+    def record_on_device(self, ev: SlotEvent, cs: Any) -> int:
+        """Record ``ev`` on the legacy stream ``cs`` of the communicator's
+        device while the calling thread's current device is another one (or
+        unknown): switch, record, switch back. Returns the CUDA result."""
+        lib = self.lib
+        rc = lib.cudaGetDevice(self._prev)
+        if rc:
+            return int(rc)
+        prev = self._prev[0]
+        rc = lib.cudaSetDevice(self.device_index)
+        if rc:
+            return int(rc)
+        try:
+            return int(lib.cudaEventRecord(ev.handle, cs))
+        finally:
+            lib.cudaSetDevice(prev)
+
+    def clear_last_error(self, rc: int) -> None:
+        """Clear ``rc`` from the calling thread's CUDA last error, where it
+        is the last error: streamcoll and torch share one ``libcudart``, and
+        torch's next kernel-launch check (``cudaGetLastError``) would raise a
+        result of streamcoll's call as its own (torch clears it after its own
+        event queries, ``c10/cuda/CUDAEvent.h``). Another error there (not
+        ours) is left for its owner."""
+        lib = self.lib
+        if lib.cudaPeekAtLastError() == rc:
+            lib.cudaGetLastError()
+
     def failed(self, function: str, rc: int) -> None:
         """The call gets no event: capturing (``rc`` 0), or ``function`` failed."""
         if rc:
+            self.clear_last_error(rc)
             self._warn(self.binding.error(function, rc))
         return None
 

@@ -66,7 +66,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from . import flight, helper_threads
 from .errors import CollectiveTimeout
@@ -206,7 +206,7 @@ class Watchdog:
 
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._loop, name="streamcoll-watchdog", daemon=True)
+            self._thread = helper_threads.Thread(target=self._loop, name="streamcoll-watchdog", daemon=True)
             self._thread.start()
 
     def _interval(self, comms: List[Any]) -> float:
@@ -503,12 +503,28 @@ def nccl_nonblocking_requested() -> bool:
 
 
 def nccl_wait_ready(backend: Any, handle: Any, timeout: Optional[float], what: str,
-                    rank: int = -1, size: int = -1) -> None:
+                    rank: int = -1, size: int = -1,
+                    abort: Optional[Callable[[BaseException], Any]] = None) -> None:
     """Poll ``ncclCommGetAsyncError`` until a non-blocking NCCL communicator
     left ``ncclInProgress``. An error state raises the library error; past
-    ``timeout`` seconds the communicator is aborted (``ncclCommAbort``) and
-    :class:`CollectiveTimeout` is raised."""
+    ``timeout`` seconds :class:`CollectiveTimeout` is raised. Either way the
+    native communicator is aborted first: by ``abort(error)`` where a
+    :class:`~streamcoll.Communicator` owns the handle (its own abort path
+    marks it failed before ``ncclCommAbort`` frees the handle, so no launch,
+    watchdog query or ``destroy()`` uses the freed pointer), else
+    (``abort`` None: an init or split whose handle nobody else holds yet)
+    with ``ncclCommAbort`` directly."""
     lib, ffi, binding = backend.lib(), backend.ffi, backend.binding
+
+    def _abort_with(err: BaseException) -> None:
+        try:
+            if abort is not None:
+                abort(err)
+            else:
+                lib.ncclCommAbort(handle)
+        except Exception:
+            pass
+
     in_progress = binding.const("ncclInProgress")
     state = ffi.new("ncclResult_t *")
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -521,20 +537,15 @@ def nccl_wait_ready(backend: Any, handle: Any, timeout: Optional[float], what: s
         if s == 0:
             return
         if s != in_progress:
-            err = binding.error(f"{what} (asynchronous error)", s, handle)
-            try:
-                lib.ncclCommAbort(handle)
-            except Exception:
-                pass
+            err: BaseException = binding.error(f"{what} (asynchronous error)", s, handle)
+            _abort_with(err)
             raise err
         if deadline is not None and time.monotonic() > deadline:
-            try:
-                lib.ncclCommAbort(handle)
-            except Exception:
-                pass
-            raise CollectiveTimeout(what, 0, float(timeout or 0.0), [], rank, size,
+            err = CollectiveTimeout(what, 0, float(timeout or 0.0), [], rank, size,
                                     "the non-blocking NCCL communicator stayed ncclInProgress; it was aborted "
                                     "(ncclCommAbort). Check that every rank started and can reach the others")
+            _abort_with(err)
+            raise err
         time.sleep(pause)
         pause = min(pause * 2, 0.01)
 
@@ -547,10 +558,14 @@ def make_nonblocking(comm: Any) -> None:
     backend = comm._backend
     in_progress = backend.binding.const("ncclInProgress")
 
+    def fail(err: BaseException) -> None:
+        comm.mark_failed(err)  # every launcher refuses from here on
+        comm.abort()  # ncclCommAbort once, then the handle, fast paths and events are dropped
+
     def poll(cname: str, rc: int) -> bool:
         if rc != in_progress:
             return False
-        nccl_wait_ready(backend, comm._handle, comm.timeout, cname, comm.rank, comm.size)
+        nccl_wait_ready(backend, comm._handle, comm.timeout, cname, comm.rank, comm.size, abort=fail)
         return True
 
     comm.register_rc_hook(poll)

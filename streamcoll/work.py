@@ -68,7 +68,7 @@ class Reaper:
         with self._lock:
             self._entries.append(entry)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="streamcoll-reaper", daemon=True)
+                self._thread = helper_threads.Thread(target=self._loop, name="streamcoll-reaper", daemon=True)
                 self._thread.start()
         return entry
 

@@ -204,6 +204,65 @@ def test_sync_calls_carry_completion_events(comm):
     torch.cuda.synchronize()
 
 
+def test_a_pending_event_query_leaves_torch_no_error(comm):
+    """Issue 27 (4): the flight recorder's query of a pending completion
+    event returns cudaErrorNotReady, which the runtime keeps as the thread's
+    last error; torch's next kernel-launch check read it and raised "device
+    not ready" as its own until streamcoll cleared it."""
+    x = torch.ones(1 << 20, device="cuda")
+    _sleep_then_fill(x, 1.0)  # the stream is busy for ~0.1 s
+    comm.all_reduce(x)
+    e = comm.flight.at(comm.seq)
+    assert comm.flight.state(comm, e) == "launched"  # queried: not ready
+    y = torch.ones(4, device="cuda") * 2  # a launch: torch checks cudaGetLastError()
+    torch.cuda.synchronize()
+    assert torch.all(y == 2) and torch.all(x == 1.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_sync_events_from_a_thread_on_another_device():
+    """Issue 27 (3): a communicator on GPU 1 called from a new thread (which
+    starts on device 0) on the legacy stream: the completion event is
+    recorded on GPU 1's legacy stream and no CUDA error is left behind."""
+    import threading
+    import torch.distributed as dist
+    c = streamcoll.new_communicator(backend="nccl", device="cuda:1", rank=0, world_size=1,
+                                    store=dist.HashStore(), name="cuda-test-dev1")
+    try:
+        x = torch.ones(16, device="cuda:1")
+        out = {}
+
+        def call() -> None:
+            c.all_reduce(x)
+            out["event"] = c.flight.at(c.seq).event
+            torch.ones(1, device="cuda:0").add_(1)  # torch's launch check sees no stale error
+        t = threading.Thread(target=call)
+        t.start()
+        t.join(60)
+        assert out["event"] is not None
+        torch.cuda.synchronize(1)
+    finally:
+        c.destroy()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_premul_sum_is_nccls_own(comm, dtype):
+    """Issue 27 (7): premul_sum runs as NCCL's PreMulSum (created per launch),
+    sync and async, in place and out of place, values as torch computes them
+    (x * f, rounded once, in the tensor's dtype)."""
+    x = torch.full((1024,), 6.0e4 if dtype == torch.float16 else 3.0, dtype=dtype, device="cuda")
+    want = x * 0.25
+    y = x.clone()
+    comm.all_reduce(y, op=streamcoll.premul_sum(0.25))
+    assert torch.equal(y, want)
+    y = x.clone()
+    comm.all_reduce(y, op=streamcoll.premul_sum(0.25), async_op=True).wait()
+    assert torch.equal(y, want)
+    out = torch.empty_like(x)
+    comm.reduce_scatter_tensor(out, x, op=streamcoll.premul_sum(0.25))
+    assert torch.equal(out, want)
+
+
 def test_helper_thread_queries_do_not_invalidate_a_global_capture(comm):
     """Issue 12 (3): the reaper polls a pending event every 2 ms while the
     main thread captures a graph in torch's default global mode. Its thread

@@ -17,6 +17,7 @@ import time
 import types
 
 import pytest
+import torch
 
 import streamcoll
 from streamcoll import helper_threads, recorder, watchdog
@@ -90,7 +91,7 @@ def test_prepare_sets_the_mode_once_per_thread_and_warns_once(monkeypatch, caplo
 
     with caplog.at_level(logging.WARNING, logger="streamcoll"):
         for n in ("h1", "h2"):
-            t = threading.Thread(target=helper, args=(n,), name=n)
+            t = helper_threads.Thread(target=helper, args=(n,), name=n)
             t.start()
             t.join(10)
     assert calls == ["h1", "h2"]  # once per thread
@@ -101,6 +102,129 @@ def test_prepare_sets_the_mode_once_per_thread_and_warns_once(monkeypatch, caplo
         warnings = [r.getMessage() for r in caplog.records if "thread-local CUDA graph capture" in r.getMessage()]
         assert len(warnings) == 1, warnings  # once per process
         assert "cudaErrorInsufficientDriver" in warnings[0] and "capture_error_mode='thread_local'" in warnings[0]
+
+
+def test_prepare_leaves_a_users_thread_alone(monkeypatch):
+    """Issue 27 (5): prepare() on a thread that is not streamcoll's (a user
+    calling REAPER.reap() on the main thread) must not switch that thread's
+    capture mode or device; before, it did, and a later
+    ``thread_mode() is None`` on the main thread failed."""
+    calls = []
+    monkeypatch.setattr(helper_threads, "set_thread_local_capture_mode", lambda: calls.append(1) or 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(helper_threads, "_local", threading.local())
+    out = {}
+
+    def user() -> None:
+        helper_threads.prepare(3)
+        out["mode"], out["helper"] = helper_threads.thread_mode(), helper_threads.is_helper()
+
+    t = threading.Thread(target=user, name="users-thread")
+    t.start()
+    t.join(10)
+    assert out == {"mode": None, "helper": False} and calls == []
+
+    def helper() -> None:
+        helper_threads.prepare(3)
+        out["mode"], out["helper"] = helper_threads.thread_mode(), helper_threads.is_helper()
+
+    t = helper_threads.Thread(target=helper, name="streamcoll-helper")
+    t.start()
+    t.join(10)
+    assert out == {"mode": 0, "helper": True} and calls == [("set_device", 3), 1]
+
+
+def test_streamcolls_cuda_threads_are_helper_threads():
+    """The threads that call prepare() are started as helper_threads.Thread
+    (else prepare() would now do nothing on them)."""
+    import inspect
+    from streamcoll import communicator, watchdog as wd, work
+    for mod, name in ((work, "streamcoll-reaper"), (wd, "streamcoll-watchdog"), (communicator, "streamcoll-future")):
+        src = inspect.getsource(mod)
+        i = src.index(f'name="{name}"')
+        assert "helper_threads.Thread(" in src[max(0, i - 120):i], name
+
+
+class _StandInRuntime:
+    """Pure logic stand-in for libcudart's last-error and device calls (the
+    real runtime needs a GPU for a pending event)."""
+
+    def __init__(self, current: int = 0) -> None:
+        self.last, self.current, self.calls = 0, current, []
+
+    def cudaEventQuery(self, h):
+        self.calls.append("query")
+        self.last = 600  # cudaErrorNotReady, kept as the thread's last error
+        return 600
+
+    def cudaPeekAtLastError(self):
+        return self.last
+
+    def cudaGetLastError(self):
+        self.calls.append("clear")
+        r, self.last = self.last, 0
+        return r
+
+    def cudaGetDevice(self, p):
+        p[0] = self.current
+        return 0
+
+    def cudaSetDevice(self, d):
+        self.calls.append(("set", d))
+        self.current = d
+        return 0
+
+    def cudaEventRecord(self, ev, cs):
+        self.calls.append(("record", self.current))
+        return 0
+
+    def cudaStreamIsCapturing(self, cs, status):
+        status[0] = 0
+        return 0
+
+
+def _stand_in_events(current: int, device: int):
+    from streamcoll.sync_events import SyncEvents
+    _need_cudart()
+    sev = SyncEvents(16, device)
+    sev.lib = _StandInRuntime(current)
+    return sev
+
+
+def test_a_pending_query_leaves_no_last_error():
+    """Issue 27 (4): cudaEventQuery's not-ready stays the thread's last
+    error, and torch's next launch check would raise it as its own; the
+    query clears it (as torch's CUDAEvent::query does)."""
+    from streamcoll.sync_events import SlotEvent
+    sev = _stand_in_events(0, 0)
+    sev.not_ready = 600
+    assert SlotEvent("h", sev).query() is False
+    assert sev.lib.last == 0 and sev.lib.calls == ["query", "clear"]
+    sev.lib.last = 700  # someone else's error is not ours to clear
+    sev.clear_last_error(1)
+    assert sev.lib.last == 700
+
+
+def test_legacy_stream_events_are_recorded_on_the_communicators_device():
+    """Issue 27 (3): on the legacy stream (handle 0) the event is recorded
+    with the communicator's device current, then the caller's device is
+    restored; on another device's thread the record failed before."""
+    sev = _stand_in_events(current=0, device=1)
+    ev = types.SimpleNamespace(handle="h")
+    assert sev.record_on_device(ev, 0) == 0
+    assert sev.lib.calls == [("set", 1), ("record", 1), ("set", 0)] and sev.lib.current == 0
+    # the statements the generated launchers inline, on the legacy stream from device 0's thread
+    from streamcoll.sync_events import SlotEvent
+    sev.lib.calls.clear()
+    sev.slots[5 & sev.mask] = slot = SlotEvent("h", sev)
+    e = recorder.FlightEntry(seq=5)
+    sev.recorder()(e, 5, 0)
+    assert e.event is slot and sev.lib.calls == [("set", 1), ("record", 1), ("set", 0)]
+    sev.lib.calls.clear()
+    sev.lib.current = 1  # already on the communicator's device: no switch
+    sev.recorder()(e, 5, 0)
+    assert sev.lib.calls == [("record", 1)]
 
 
 def test_every_cuda_helper_thread_prepares_before_querying(monkeypatch):
@@ -277,3 +401,147 @@ def test_the_generated_cuda_launcher_with_events_compiles():
         src = "def f(t, hs):\n" + launch._indent(body, 4)
         compile(src, "<test>", "exec")
         assert "_sev_record(ev.handle, cs)" in src and ("k % _sev_every" in src) == (n != 1)
+
+
+# ---- issue 27 (7): PREMUL_SUM on NCCL is NCCL's own (premultiplied) ------------
+def _nccl_plan_context(size: int = 8):
+    from streamcoll._ffi.nccl import NCCL
+    from streamcoll.backends import get_backend
+    from streamcoll.plans import PlanContext
+    if not NCCL.is_available():
+        pytest.skip("NCCL not loadable: " + "; ".join(getattr(NCCL, "tried", [])))
+    comm = types.SimpleNamespace(_backend=get_backend("nccl"), _lib=NCCL.lib(), _rank=0, _size=size,
+                                 _device=torch.device("cuda", 0), _gpu=True, _handle=None)
+    return PlanContext(comm), NCCL
+
+
+def test_premul_sum_on_nccl_is_the_librarys_own():
+    """The reduction NCCL gets for premul_sum(f) is a PreMulSum op made per
+    launch (ncclRedOpCreatePreMulSum, host-immediate scalar), not SUM
+    followed by a multiplication (which overflows fp16 where torch's
+    premultiplication does not); before, it was always (SUM, 'PREMUL_SUM')."""
+    ctx, _ = _nccl_plan_context()
+    for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        assert ctx.reduction(streamcoll.premul_sum(0.125), dt, "all_reduce") == (None, "NATIVE_PREMUL", 0.125)
+    with pytest.raises(TypeError, match="op: PREMUL_SUM needs a floating dtype"):
+        ctx.reduction(streamcoll.premul_sum(0.5), torch.int32, "all_reduce")
+    assert ctx.reduction(streamcoll.ReduceOp.AVG, torch.float16, "all_reduce")[1] is None  # NCCL's own AVG
+
+
+def test_premul_launch_creates_calls_and_destroys_the_op():
+    """plans._premul: create (scalar, dtype, host-immediate, comm), the
+    collective with that op in its op argument, destroy, in that order; a
+    failed creation returns its result without calling the collective. The
+    real ncclRedOpCreatePreMulSum refuses a NULL communicator."""
+    from streamcoll.plans import _premul
+    ctx, nccl = _nccl_plan_context()
+    calls = []
+
+    def create(opp, scalar, dtype, residence, comm):
+        calls.append(("create", scalar, dtype, residence, comm))
+        opp[0] = 41
+        return 0
+
+    def coll(*args):
+        calls.append(("call",) + args)
+        return 0
+
+    def destroy(op, comm):
+        calls.append(("destroy", op, comm))
+        return 0
+
+    fn = _premul(coll, create, destroy, nccl.ffi, "S", 7, 1, "C", 4)
+    assert fn("send", "recv", 16, 7, 0, "C", "stream") == 0
+    assert calls == [("create", "S", 7, 1, "C"), ("call", "send", "recv", 16, 7, 41, "C", "stream"), ("destroy", 41, "C")]
+    lib = nccl.lib()
+    scalar = torch.tensor([0.5], dtype=torch.float32)
+    ran = []
+    fn = _premul(lambda *a: ran.append(a) or 0, lib.ncclRedOpCreatePreMulSum, lib.ncclRedOpDestroy, nccl.ffi,
+                 nccl.ffi.cast("void *", scalar.data_ptr()), nccl.const("ncclFloat32"),
+                 nccl.const("ncclScalarHostImmediate"), nccl.ffi.NULL, 4)
+    rc = fn(None, None, 1, 0, 0, nccl.ffi.NULL, None)
+    assert rc == nccl.const("ncclInvalidArgument") and ran == []
+
+
+# ---- issue 27 (2): a non-blocking NCCL failure goes through the Communicator ---
+class _PoisoningNccl:
+    """Pure-logic stand-in for NCCL's non-blocking state calls: abort frees
+    (poisons) the handle, and any later call on it is recorded as a use after
+    free. The real thing needs a GPU (tests/test_reliability.py's cuda tests)."""
+
+    def __init__(self, state: int) -> None:
+        self.state, self.freed, self.uaf, self.calls = state, set(), [], []
+
+    def ncclCommGetAsyncError(self, h, out):
+        if h in self.freed:
+            self.uaf.append("ncclCommGetAsyncError")
+        out[0] = self.state
+        return 0
+
+    def ncclCommAbort(self, h):
+        self.calls.append("abort")
+        if h in self.freed:
+            self.uaf.append("ncclCommAbort")
+        self.freed.add(h)
+        return 0
+
+
+def _nonblocking_stand_in(state: int):
+    from streamcoll._ffi.nccl import NCCL
+    if not NCCL.is_available():
+        pytest.skip("NCCL not loadable")
+    lib = _PoisoningNccl(state)
+    binding = types.SimpleNamespace(const=NCCL.const, error=lambda f, rc, comm=None: NCCL.error(f, rc))
+    backend = types.SimpleNamespace(lib=lambda: lib, ffi=NCCL.ffi, binding=binding,
+                                    abort=lambda h: lib.ncclCommAbort(h) == 0)
+    order = []
+
+    class Comm:  # what make_nonblocking reads of a Communicator
+        _backend, _handle, timeout, rank, size = backend, 7, 0.05, 0, 1
+        failure = None
+
+        def register_rc_hook(self, h):
+            self.hook = h
+
+        def mark_failed(self, e):
+            order.append("mark_failed")
+            self.failure = e
+
+        def abort(self):
+            order.append("abort")
+            lib.ncclCommAbort(self._handle)
+            self._handle = None  # the Communicator drops the freed pointer
+
+    c = Comm()
+    watchdog.make_nonblocking(c)
+    return c, lib, order
+
+
+@pytest.mark.parametrize("case", ["error", "timeout"])
+def test_nonblocking_failure_marks_the_communicator_failed_before_the_abort(case):
+    """Before, nccl_wait_ready called ncclCommAbort itself and nothing marked
+    the Communicator failed: its handle, fast paths and watchdog registration
+    stayed live on the freed communicator. Now the hook goes through the
+    Communicator (mark_failed, then its abort, once)."""
+    from streamcoll._ffi.nccl import NCCL
+    in_progress = NCCL.const("ncclInProgress")
+    c, lib, order = _nonblocking_stand_in(NCCL.const("ncclSystemError") if case == "error" else in_progress)
+    with pytest.raises(Exception) as ei:
+        c.hook("all_reduce", in_progress)
+    assert order == ["mark_failed", "abort"] and lib.calls == ["abort"] and lib.uaf == []
+    assert c.failure is ei.value and c._handle is None
+    if case == "timeout":
+        assert isinstance(ei.value, streamcoll.CollectiveTimeout)
+    # what the watchdog does next with this communicator: nothing on the freed handle
+    assert watchdog._nccl_async_error(types.SimpleNamespace(
+        _backend=types.SimpleNamespace(name="nccl"), destroyed=False, failure=c.failure, _handle=c._handle)) is None
+
+
+def test_split_waits_for_a_nonblocking_child_before_a_communicator_holds_it():
+    """The child of a non-blocking split is polled ready (or aborted and
+    raised) before a Communicator is made for it, so the watchdog never
+    registers a handle that the failed wait freed."""
+    import inspect
+    from streamcoll.communicator import Communicator
+    src = inspect.getsource(Communicator.split)
+    assert src.index("nccl_wait_ready(") < src.index("child = Communicator(")

@@ -111,6 +111,22 @@ def test_synchronous_calls_enter_one_python_frame(monkeypatch):
             assert _frames(c.all_reduce, t, avg) == 1
             assert _frames(c.reduce_scatter_tensor, t, torch.ones(4), avg) == 1
         assert _frames(c.all_reduce, torch.ones(4, dtype=torch.int32), streamcoll.ReduceOp.AVG) > 3
+        # bf16 reduced through float32 (oneCCL CPU, backends._WIDENED) has a fast path of its own
+        # (issue 25): float32 scratch owned by the fast path, one frame, grown then reused
+        b = torch.arange(6, dtype=torch.bfloat16)
+        for op in (streamcoll.ReduceOp.SUM, streamcoll.ReduceOp.AVG, dist.ReduceOp.MAX):
+            assert _frames(c.all_reduce, b, op) == 1
+            assert torch.equal(b, torch.arange(6, dtype=torch.bfloat16))  # one rank: unchanged, after rounding
+        out = torch.empty(6, dtype=torch.bfloat16)
+        assert _frames(c.reduce_scatter_tensor, out, b) == 1 and torch.equal(out, b)
+        assert _frames(c.reduce, b, 0) == 1
+        sc = c.all_reduce.__globals__["_sc"]
+        big = torch.ones(1 << 12, dtype=torch.bfloat16)
+        c.all_reduce(big)
+        grown = sc[0]
+        assert grown.numel() >= 1 << 12 and grown.dtype == torch.float32
+        c.all_reduce(big)
+        assert sc[0] is grown  # reused, not reallocated per call
     finally:
         c.destroy()
 

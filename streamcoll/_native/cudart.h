@@ -4,7 +4,7 @@
  * Source: cuda_runtime_api.h and driver_types.h of CUDA 13.0 (the same text
  * in the nvidia-cuda-runtime-cu12 12.9 wheel: the cudaError enum of both is
  * identical, checked). Only what streamcoll's helper threads and the
- * synchronous-op completion events need (streamcoll/cuda_events.py), not the
+ * synchronous-op completion events need (streamcoll/sync_events.py), not the
  * runtime API: torch owns devices, streams and memory. Trimmed to what
  * cffi's cdef parses (no attributes, no CUDARTAPI). tests/test_abi.py
  * compiles native/abi_check.c against the real header and compares every
@@ -166,6 +166,11 @@ cudaError_t cudaRuntimeGetVersion(int *runtimeVersion);
 cudaError_t cudaDriverGetVersion(int *driverVersion);
 const char* cudaGetErrorName(cudaError_t error);
 const char* cudaGetErrorString(cudaError_t error);
+cudaError_t cudaGetLastError(void);
+cudaError_t cudaPeekAtLastError(void);
+
+cudaError_t cudaGetDevice(int *device);
+cudaError_t cudaSetDevice(int device);
 
 cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode *mode);
 cudaError_t cudaStreamIsCapturing(cudaStream_t stream, enum cudaStreamCaptureStatus *pCaptureStatus);
