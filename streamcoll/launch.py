@@ -291,7 +291,7 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         lines.append("hs = _raw(_idx)")
     call = "_f(" + ", ".join(vals[r] for r in roles) + ")"
     if wide:
-        out_b = spec.recv or spec.send
+        out_b = spec.recv or send  # the output buffer (send: the first buffer, checked above)
         oi = distinct.index(out_b)
         # the copy in, under the lock, right before the call; the result's one rounding in post
         call = f"(wd and w0.copy_({send}.view(-1)), {call})[1]"
