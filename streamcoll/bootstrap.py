@@ -317,6 +317,9 @@ def new_communicator(
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device: expected a torch device or string like 'cpu' or 'cuda:0', got {device!r}") from e
     b, device = resolve(backend.lower() if backend else None, device)
+    from .work import POSTING, launch_posted
+    if POSTING:
+        launch_posted()  # the rendezvous blocks on the other ranks: nothing posted here may be what they wait on
     if (b.name == "nccl" or device.type == "cuda") and not torch.cuda.is_available():
         why = (f"this torch build has no CUDA (torch {torch.__version__})" if torch.version.cuda is None
                else "no CUDA GPU is visible (CUDA_VISIBLE_DEVICES, driver)")

@@ -24,12 +24,53 @@ the one place that decides.
 
 Point-to-point ops with torch's semantics: ``isend``/``irecv``/
 ``batch_isend_irecv`` are *posted* (planned and validated, nothing issued)
-and all posted ops go out as one group launch when one of them is waited
-on or queried, another operation is issued, a coalescing block opens, or the
-communicator is destroyed; a blocking ``send``/``recv`` joins them. So both
-ranks may ``irecv`` then ``isend`` in any order without a deadlock, and
-without a thread per op. Tags: NCCL and oneCCL have none, so a non-zero
-``tag`` is refused (ValueError) instead of being ignored.
+and a communicator's posted ops go out as one group launch (GroupStart/
+GroupEnd, in which the library progresses sends and receives together) on
+its comm stream (CPU: comm thread). Torch's rule is that a posted op
+progresses on its own and never waits behind, or blocks, an unrelated
+operation. The libraries decide how close streamcoll can come: oneCCL's CPU
+calls block the calling thread until the peers took part, and a
+communicator must not be entered by two threads at once, so a launched p2p
+group occupies its communicator's comm thread until it completed. Hence the
+rule for when posted ops are launched:
+
+- **before anything in the process blocks on other ranks**, every
+  communicator's posted ops go out (:func:`streamcoll.work.launch_posted`):
+  a synchronous call on any communicator (its fast paths are off while any
+  op is posted anywhere), creating a communicator (a rendezvous), a wait
+  (``Work.wait``/``synchronize``/``get_future``: another communicator's
+  posted ops, and the waited op's own group), destroy. A peer may be blocked
+  on an op this process posted: ``A.isend(x, 1); B.all_reduce(y)`` against
+  ``A.recv(x, 0); B.all_reduce(y)`` finishes, as on gloo;
+- before another operation is issued on the same communicator, and when a
+  coalescing block opens (issue order is cross-rank order);
+- by a status query (``is_completed()``/``is_success()``/``exception()``)
+  only when the communicator's posted ops include a send, so that a loop
+  polling an exchange terminates; **never a lone receive** (the query
+  answers False/False/None): launched by a poll, it would occupy the comm
+  thread with the send posted after it queued behind, on both ranks. So
+  both ranks may ``irecv``, poll, then ``isend`` without a deadlock, and
+  without a thread per op. A loop that only polls a lone posted receive
+  never launches it: wait on it (or issue anything that blocks).
+
+What remains different from torch: a posted op launched before its partner
+was posted goes out on its own and occupies its communicator until the peer
+matches it: ``irecv``, a blocking call, then ``isend``, on both ranks,
+deadlocks where gloo finishes (post both before the blocking call, or use
+``batch_isend_irecv``), and so does ``isend``, a poll, then ``irecv`` on both
+ranks for messages above oneCCL's eager size (measured here: 1 KB sends return
+at once, 1 MB ones wait for the receive); and ops on one communicator
+complete in issue order. A blocking ``send``/``recv`` on a
+communicator with posted ops joins their group. Tags: NCCL and oneCCL have
+none, so a non-zero ``tag`` is refused (ValueError) instead of being ignored.
+
+Failure: :meth:`Communicator._refresh_fast_paths` is the one place that
+decides whether the communicator may issue; every launcher checks it (the
+general path, the async path that posted ops go out through, the queued
+synchronous path, the generated fast paths, fast paths saved as bound
+attributes). :meth:`mark_failed` is the one place that ends pending work
+(posted ops, the comm thread's queue; the running call's result is failed),
+and :meth:`abort` the one teardown after a failure for each library.
 
 Other modules attach through hooks, never by writing privates:
 :meth:`register_pre_hook` (debug checks), :meth:`register_rc_hook`
@@ -66,7 +107,8 @@ from .ops import ReduceOp
 from .plans import PlanContext
 from .spec import Plan
 from .streams import Lane, runtime_for
-from .work import REAPER, PostedWork, Work
+from . import work as _work
+from .work import POSTING, REAPER, PostedWork, Work, launch_posted
 
 log = logging.getLogger("streamcoll")
 
@@ -84,6 +126,8 @@ DEFAULT_TIMEOUT = 600.0  # seconds, as torch.distributed's default for NCCL
 # (send, recv), which join the posted ones' group; from the table.
 _POSTED = frozenset(n for n, s in _spec.TABLE.items() if s.p2p and s.async_mode == "always")
 _P2P_SYNC = frozenset(n for n, s in _spec.TABLE.items() if s.p2p and s.async_mode == "never")
+# Point-to-point ops that only receive (irecv, recv): posted alone, a status query leaves them posted.
+_RECEIVES = frozenset(n for n, s in _spec.TABLE.items() if s.p2p and s.send is None and s.recv is not None)
 
 
 def _env_timeout() -> float:
@@ -176,8 +220,13 @@ def _after_fork_in_child() -> None:
     """A forked child inherits the parent's communicators but not its ranks'
     peers: mark them unusable (no per-call pid check on the hot path), so a
     call raises instead of driving the parent's native communicator."""
+    # the parent's posted ops are not the child's; a parent thread may have held the lock at fork
+    _work.POSTING_LOCK = threading.RLock()
+    POSTING.clear()
     for c in list(_LIVE):
         c._forked = True
+        c._posted = []
+        c._post_lock = threading.Lock()
         if not c._destroyed and c._failed is None:
             c.mark_failed(CommunicatorError(
                 f"communicator {c.name!r} was created in process {c._pid} and cannot be used after "
@@ -251,6 +300,8 @@ class Communicator(CollectiveMethods):
         self._p2p = 0
         self._failed: Optional[BaseException] = None
         self._destroyed = False
+        self._usable = False   # may issue: set by _refresh_fast_paths, the one place that decides
+        self._fast_ok = False  # may take a fast path: read by the generated fast paths (one attribute)
         self._coalescing: Optional[list] = None
         self._coalescing_thread: Optional[int] = None
         # posted p2p ops not launched yet: (plan, PostedWork), all under one current-stream key
@@ -364,19 +415,29 @@ class Communicator(CollectiveMethods):
 
     # ------------------------------------------------------------ fast paths
     def _refresh_fast_paths(self) -> None:
-        """Install the generated fast paths where the communicator is
-        eligible, remove them where not. The one place that decides: hooks,
-        coalescing, posted p2p ops, failure and destroy call it. (While p2p
-        ops are posted every call takes the general path, which launches
-        them first, or, for send/recv, together with them.)"""
-        ok = (not self._destroyed and self._failed is None and not self._pre_hooks
-              and self._coalescing is None and self._handle is not None and not self._posted)
-        d = self.__dict__
-        if ok:
-            d.update(self._fast)
-        else:
-            for k in self._fast:
-                d.pop(k, None)
+        """Decide whether the communicator may issue (``_usable``: not failed,
+        destroyed, aborted or forked) and whether a call may take the
+        generated fast path (``_fast_ok``: usable, no pre-launch hooks, not
+        coalescing, no p2p op posted anywhere in the process); install the
+        fast paths as instance attributes where it may, remove them where not.
+        The one place that decides: hooks, coalescing, posting, failure,
+        abort and destroy call it. Every launcher checks ``_usable`` and a
+        fast path reads ``_fast_ok`` under the exec lock, so a fast path
+        saved before (``f = c.all_reduce``, a ``functools.partial``) takes
+        the general path once it may not run. (While p2p ops are posted,
+        every synchronous call takes the general path, which launches them
+        first, or, for send/recv on their communicator, together with them.)"""
+        with _work.POSTING_LOCK:  # against a concurrent post turning every communicator's fast paths off
+            usable = not self._destroyed and self._failed is None and self._handle is not None and not self._forked
+            ok = usable and not self._pre_hooks and self._coalescing is None and not POSTING
+            self._usable = usable
+            self._fast_ok = ok
+            d = self.__dict__
+            if ok:
+                d.update(self._fast)
+            else:
+                for k in self._fast:
+                    d.pop(k, None)
 
     @property
     def fast_path(self) -> bool:
@@ -407,10 +468,25 @@ class Communicator(CollectiveMethods):
 
     def mark_failed(self, exc: BaseException, replace: bool = False) -> None:
         """Mark the communicator failed (later calls raise ``exc`` at once);
-        ``replace``: a more detailed error replaces the one already set."""
+        ``replace``: a more detailed error replaces the one already set.
+
+        The one place that ends pending work on failure: posted p2p ops are
+        ended without a launch (their plans may hold a handle an abort
+        frees), the CPU comm thread's queued work is ended without running
+        and the running call's result is failed (:meth:`CpuRuntime.fail`),
+        and the flight entries of unfinished work say failed (what a GPU
+        Work reads). Every reader of those Works then reports the failure
+        (:meth:`Work._error`)."""
         if self._failed is None or replace:
             self._failed = exc
         self._refresh_fast_paths()
+        if not self._forked:  # a forked child has no comm thread, and its locks may be the parent's
+            with self._post_lock:
+                posted, self._posted = self._posted, []
+            self._posting_changed()
+            for _, w in posted:
+                w._exc = self._work_failure(w.op, 0)
+            self._rt.fail(lambda e: self._work_failure(e.op, e.seq))
         # Async work still in flight failed with it: its Work raises even if the
         # stream later runs it to its end (an aborted NCCL communicator's
         # results, or work queued behind a stuck call, are not to be trusted).
@@ -427,6 +503,13 @@ class Communicator(CollectiveMethods):
             e.state = _flight.FAILED
             e.error = e.error or f"communicator failed while it was in flight: {self._failed}"
 
+    def _work_failure(self, op: str, seq: int) -> CommunicatorError:
+        """The error of ``op`` ended (or left untrustworthy) by the communicator's failure."""
+        what = f"{op} (sequence number {seq})" if seq else f"{op} (posted, not launched)"
+        exc = CommunicatorError(f"{what} cannot complete: communicator {self.name!r} failed earlier: {self._failed}")
+        exc.__cause__ = self._failed
+        return exc
+
     def _pre(self, spec: _spec.CollectiveSpec, args: tuple, async_op: bool) -> None:
         rec = LaunchRecord(self, spec, dict(zip(spec.param_names, args)), bool(async_op))
         for h in list(self._pre_hooks):
@@ -434,7 +517,8 @@ class Communicator(CollectiveMethods):
 
     # ------------------------------------------------------------ lifecycle
     def _check_usable(self) -> None:
-        if self._destroyed:
+        """Raise why the communicator may not issue (``_usable`` is False)."""
+        if self._destroyed or self._handle is None:
             raise CommunicatorError(f"communicator {self.name!r} was destroyed; create a new one with streamcoll.init()")
         if self._failed is not None:
             raise CommunicatorError(
@@ -445,6 +529,8 @@ class Communicator(CollectiveMethods):
                 f"communicator {self.name!r} was created in process {self._pid} and cannot be used "
                 f"after fork (in {os.getpid()}); create a new one in the child"
             )
+        if not self._usable:
+            raise CommunicatorError(f"communicator {self.name!r} cannot be used")
 
     def destroy(self, timeout: Optional[float] = None) -> None:
         """Release the communicator. Idempotent.
@@ -452,8 +538,12 @@ class Communicator(CollectiveMethods):
         Queued asynchronous work is waited for first (up to ``timeout``,
         default the communicator's); if it does not finish, the communicator
         is marked failed and CollectiveTimeout is raised without freeing the
-        native communicator that the stuck call still uses. In a forked child
-        this only forgets the parent's communicator (no C call).
+        native communicator that the stuck call still uses. A failed
+        communicator is not waited for: NCCL's is aborted (:meth:`abort`,
+        the teardown after a failure), oneCCL's is freed once no call runs
+        in it (an idle comm thread counts as finished) and left allocated
+        while one does. In a forked child this only forgets the parent's
+        communicator (no C call).
         """
         if self._destroyed:
             return
@@ -461,9 +551,11 @@ class Communicator(CollectiveMethods):
             self._destroyed = True  # the native communicator is the parent's: no C call
             self._refresh_fast_paths()
             return
+        if self._failed is not None and self.abort():
+            return  # NCCL after a failure: ncclCommAbort is the teardown (a kernel may be stuck; no synchronize)
         t = self.timeout if timeout is None else _seconds(timeout)
-        if self._posted and self._failed is None:
-            self._flush_posted()  # posted sends and receives go out, as torch's would have
+        if POSTING and self._failed is None:
+            launch_posted()  # posted sends and receives go out, as torch's would have, before it blocks
         if self._failed is not None:
             t = 0.0  # its stuck work already failed (and was reported): do not wait for it again
         finished = self._rt.close(t)
@@ -485,6 +577,7 @@ class Communicator(CollectiveMethods):
             raise handle_timeout(self, op, seq, t, shapes,
                                  "destroy: queued asynchronous work did not finish; native communicator left allocated")
         handle, self._handle = self._handle, None
+        self._refresh_fast_paths()
         self._lanes.clear()
         if self._sync_events is not None:
             self._sync_events.close()
@@ -493,18 +586,38 @@ class Communicator(CollectiveMethods):
 
     def abort(self) -> bool:
         """Abort the native communicator where the library can (NCCL), so
-        stuck calls return; marks the communicator unusable. Returns False
-        where the library has no abort (oneCCL 2022.2: exit the process)."""
-        if self._destroyed or self._handle is None:
-            return False
+        stuck calls return; marks the communicator failed (its pending work
+        ends with the failure: :meth:`mark_failed`). Returns False where the
+        library has no abort (oneCCL 2022.2): a call still inside it then
+        never returns, and the process's exit skips the native teardown
+        (which would crash under it) and keeps its status
+        (:func:`streamcoll.watchdog.skip_native_teardown`): end the process.
+
+        The one teardown after a failure, for each library: the watchdog and
+        timed-out waits call it too. A communicator that :meth:`destroy`
+        left allocated (a call still ran in it) is aborted here as well."""
+        if self._handle is None:
+            return False  # freed: destroyed or aborted
         self.mark_failed(self._failed or CommunicatorError("communicator aborted"))
+        if self._forked or os.getpid() != self._pid:
+            return False  # the native communicator is the parent's
+        busy = self._in_library()
         ok = self._backend.abort(self._handle)
         if ok:
             self._handle = None
             self._destroyed = True
+            self._refresh_fast_paths()
             if self._sync_events is not None:
                 self._sync_events.close()
+        elif busy:
+            from .watchdog import skip_native_teardown
+            skip_native_teardown()
         return ok
+
+    def _in_library(self) -> bool:
+        """Whether a C call of this communicator may be running now: a
+        synchronous call in flight or the CPU comm thread inside one."""
+        return self._flight.cur is not None or getattr(self._rt, "running", None) is not None
 
     def __enter__(self) -> "Communicator":
         return self
@@ -539,7 +652,7 @@ class Communicator(CollectiveMethods):
             if not isinstance(async_op, (bool, np.bool_)):
                 raise TypeError(f"async_op: expected a bool, got {async_op!r}")
             async_op = bool(async_op)
-        if self._handle is None or self._failed is not None:
+        if not self._usable:
             self._check_usable()
         if stream is not None and not async_op:  # with async_op: the ValueError below
             self._check_stream(name, stream)
@@ -555,13 +668,13 @@ class Communicator(CollectiveMethods):
             if self._posted:
                 self._flush_posted()
             return self._launch_async(name, plan)
-        if self._posted:
-            if name in _P2P_SYNC and stream is None:
-                # with the posted ops in one group: a blocking send/recv after
-                # an irecv/isend must not wait behind them (nor they behind it)
-                self._post(name, plan).wait()
-                return None
-            self._flush_posted()
+        if self._posted and name in _P2P_SYNC and stream is None:
+            # with the posted ops in one group: a blocking send/recv after
+            # an irecv/isend must not wait behind them (nor they behind it)
+            self._post(name, plan).wait()
+            return None
+        if POSTING:
+            launch_posted()  # it blocks: nothing this process posted may be what a peer waits on
         return self._launch_sync(name, plan, stream)
 
     def _check_stream(self, name: str, stream: Any) -> None:
@@ -594,28 +707,48 @@ class Communicator(CollectiveMethods):
             self._posted.append((plan, w))
             self._posted_key = key
         if first:
-            self._refresh_fast_paths()
+            self._posting_changed()
         return w
+
+    def _posted_sends(self) -> bool:
+        """Whether the posted ops include more than receives (what a status query may launch)."""
+        return any(w.op not in _RECEIVES for _, w in self._posted)
+
+    def _posting_changed(self) -> None:
+        """Keep :data:`streamcoll.work.POSTING` (the communicators holding
+        posted ops) in step with ``_posted``; when it turns empty or
+        non-empty, every live communicator's fast paths are refreshed (a
+        synchronous call anywhere must launch posted ops first)."""
+        with _work.POSTING_LOCK:
+            was = bool(POSTING)
+            if self._posted:
+                POSTING[id(self)] = self
+            else:
+                POSTING.pop(id(self), None)
+            if was != bool(POSTING):
+                for c in list(_LIVE):
+                    c._refresh_fast_paths()
 
     def _flush_posted(self) -> None:
         """Launch the posted p2p ops, all in one group (one Work, one
-        sequence number; a lone op as itself). Called when one of them is
-        waited on or queried, before any other operation is issued, when a
-        coalescing block opens and at destroy. A launch error is delivered
-        to the posted ops' Works, not raised here (the caller may be an
-        unrelated collective)."""
+        sequence number; a lone op as itself). Called before anything in the
+        process blocks on other ranks (:func:`streamcoll.work.launch_posted`:
+        a wait, a synchronous call, destroy), before another operation is
+        issued on this communicator, when a coalescing block opens. A launch
+        error is delivered to the posted ops' Works, not raised here (the
+        caller may be an unrelated collective)."""
         with self._post_lock:
             posted, self._posted = self._posted, []
             key = self._posted_key
         if not posted:
             return
-        self._refresh_fast_paths()
+        self._posting_changed()
         try:
             if len(posted) == 1:
                 plan, w = posted[0]
                 work = self._launch_async(w.op, plan, key)
             else:
-                work = self._launch_async("p2p_group", self._group_plan([p for p, _ in posted]), key)
+                work = self._launch_async(_flight.P2P_GROUP, self._group_plan([p for p, _ in posted]), key)
         except BaseException as e:  # noqa: BLE001 - handed to the Works, raised by their wait()
             for _, w in posted:
                 w._exc = e
@@ -640,6 +773,8 @@ class Communicator(CollectiveMethods):
         caller waits. Called with the exec lock held; releases it."""
         rt = self._rt
         try:
+            if not self._usable:
+                self._check_usable()
             seq, e = self._new_async_entry(name, plan)
             item = rt.submit(None, self._execute_host, plan, e)  # type: ignore[arg-type]  # CPU: no lane
         finally:
@@ -692,6 +827,8 @@ class Communicator(CollectiveMethods):
     def _launch_async(self, name: str, plan: Plan, key: Any = None) -> Work:
         """Queue ``plan`` on the comm stream serving ``key`` (default: the
         caller's current stream) and return its Work."""
+        if not self._usable:
+            self._check_usable()  # every launcher: posted ops flushed after a failure are not launched
         rt = self._rt
         if self._gpu and rt.is_capturing():
             # before a sequence number is taken: nothing was issued
@@ -744,7 +881,10 @@ class Communicator(CollectiveMethods):
                         # the communicator's GPU (not a context on GPU 0 of every rank), in
                         # thread-local capture mode (not invalidating a user's graph capture)
                         helper_threads.prepare(self._dev_index)
-                    rt.synchronize(w._event, None)
+                    ev = w._event
+                    # until done, or failed (an NCCL kernel stuck without an abort never completes)
+                    while not rt.query(ev) and self._failed is None:
+                        time.sleep(0.0002)
                 except BaseException as e:  # the future must complete, or its waiters hang
                     fut = w._future
                     if fut is not None and not fut.done():
@@ -791,7 +931,8 @@ class Communicator(CollectiveMethods):
             self._refresh_fast_paths()
         if ops:
             plan = self._group_plan([p for _, p in ops])
-            handle.work = self._launch("coalesced", plan, async_op, None)
+            # a block holding p2p ops is point to point for the flight analysis (it advances the p2p count)
+            handle.work = self._launch(_flight.COALESCED_P2P if plan.p2p else "coalesced", plan, async_op, None)
 
     # ------------------------------------------------------------ split
     def split(self, color: Optional[int], key: int = 0, timeout: Any = None) -> Optional["Communicator"]:

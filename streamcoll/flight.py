@@ -60,11 +60,14 @@ __all__ = [
 ]
 
 from .recorder import (  # noqa: F401  (re-exported)
-    COMPLETED, ENQUEUED, FAILED, LAUNCHED, RUNNING, FlightEntry, FlightRecorder, _capacity, attach, default_dir,
-    now_ns, open_dump_dir, write_private, wref,
+    COALESCED_P2P, COMPLETED, ENQUEUED, FAILED, LAUNCHED, P2P_GROUP, RUNNING, FlightEntry, FlightRecorder, _capacity,
+    attach, default_dir, now_ns, open_dump_dir, write_private, wref,
 )
 
 P2P_OPS = spec.p2p_ops()
+# What the recorder's entries name point-to-point work: the table's p2p ops and
+# the grouped launches (each advances the p2p count, so has no collective number).
+P2P_ENTRIES = P2P_OPS | {P2P_GROUP, COALESCED_P2P}
 FORMAT_VERSION = 1
 
 
@@ -80,7 +83,7 @@ def _entry_json(comm: Any, fr: FlightRecorder, e: Any, now: int, seen: Optional[
         t_enq, t_start, t_end = e.t_enq, e.t_start or (e.t_enq if state == LAUNCHED else 0), e.t_end
     d = {
         "seq": e.seq,
-        "collective_seq": None if e.op in P2P_OPS else e.seq - e.p2p,
+        "collective_seq": None if e.op in P2P_ENTRIES else e.seq - e.p2p,
         "op": e.op,
         "shapes": desc["shapes"],
         "dtypes": desc["dtypes"],

@@ -22,7 +22,10 @@ per communicator (C function, handle, dtype table, argument order from the
 header), with the argument checks of the common case inlined. Anything the
 fast path does not take (a numpy array, a non-contiguous tensor, AVG of integers,
 ``async_op=True``, queued async work, a bad argument) falls through to the
-general method, which validates and reports. Both run the same template, so
+general method, which validates and reports; so does every call while the
+communicator may not take a fast path (one attribute, ``_fast_ok``, read
+under the exec lock: a fast path saved as ``f = c.all_reduce`` before a
+coalescing block, a failure or destroy decides as the method would). Both run the same template, so
 they cannot drift; ``tests/test_launch.py`` counts the Python frames entered
 on the synchronous call path.
 """
@@ -288,7 +291,7 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         lines.append("hs = _raw(_idx)")
     call = "_f(" + ", ".join(vals[r] for r in roles) + ")"
     if wide:
-        out_b = spec.recv or spec.send
+        out_b = spec.recv or send  # the output buffer (send: the first buffer, checked above)
         oi = distinct.index(out_b)
         # the copy in, under the lock, right before the call; the result's one rounding in post
         call = f"(wd and w0.copy_({send}.view(-1)), {call})[1]"
@@ -305,7 +308,11 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         ns["_native"] = comm._rt.native
     keep = "(" + ", ".join(bufs) + ",)"
     ret = {"src": peer}.get(spec.returns, "None")
-    body = SYNC_TEMPLATE.format(ready="True" if gpu else "not _rt._pending",
+    # _fast_ok: whether the communicator may take a fast path now
+    # (Communicator._refresh_fast_paths decides), read under the exec lock:
+    # a fast path saved before coalescing, a failure or destroy falls through
+    # to the general path, which decides what happens instead.
+    body = SYNC_TEMPLATE.format(ready="_comm._fast_ok" if gpu else "_comm._fast_ok and not _rt._pending",
                                 p2p="\n    _comm._p2p += 1" if spec.p2p else "",
                                 name=repr(spec.name), keep=keep, call=call, cname=repr(spec.name), post=post,
                                 record=_record(comm) if gpu else "", ret=ret,

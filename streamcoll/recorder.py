@@ -31,7 +31,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 from .env_vars import read_int
 
 __all__ = ["FlightRecorder", "FlightEntry", "attach", "default_dir", "open_dump_dir", "write_private",
-           "ENQUEUED", "RUNNING", "LAUNCHED", "COMPLETED", "FAILED"]
+           "ENQUEUED", "RUNNING", "LAUNCHED", "COMPLETED", "FAILED", "P2P_GROUP", "COALESCED_P2P"]
 
 # States.
 ENQUEUED = "enqueued"    # async, waiting for the comm thread
@@ -41,6 +41,12 @@ COMPLETED = "completed"
 FAILED = "failed"
 
 log = logging.getLogger("streamcoll.flight")
+
+# Launch names of grouped point-to-point work, which counts as point to point
+# (it advances the p2p count, not the collective one), like the table's p2p
+# ops: posted ops launched together, and a coalescing block holding p2p ops.
+P2P_GROUP = "p2p_group"
+COALESCED_P2P = "coalesced_p2p"
 
 now_ns = time.monotonic_ns
 wref = weakref.ref

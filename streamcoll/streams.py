@@ -137,6 +137,11 @@ class Runtime:
     def is_capturing(self) -> bool:
         return False
 
+    def fail(self, error_for: Callable[[Any], BaseException]) -> None:
+        """End the work not yet run with a failure (the CPU comm thread's
+        queue). A GPU stream's work cannot be taken back: after ncclCommAbort
+        it ends, and its Works read the failure from the flight record."""
+
     def close(self, timeout: Optional[float] = None) -> bool:
         """Stop serving; False if queued work did not finish within ``timeout``."""
         return True
@@ -188,6 +193,7 @@ class CpuRuntime(Runtime):
         self._pending = 0
         self._thread: Optional[threading.Thread] = None
         self._closed = False
+        self._failed = False
         self.running: Optional[_Item] = None
 
     def current_key(self):
@@ -209,8 +215,9 @@ class CpuRuntime(Runtime):
 
     def _enqueue(self, item: _Item) -> None:
         with self._cond:
-            if self._closed:
-                raise CommunicatorError("the communicator's comm thread has been stopped")
+            if self._closed or self._failed:
+                raise CommunicatorError("the communicator's comm thread has been stopped" if self._closed
+                                        else "the communicator failed: its comm thread takes no more work")
             self._queue.append(item)
             self._pending += 1
             if self._thread is None:
@@ -228,14 +235,15 @@ class CpuRuntime(Runtime):
                         return
                     cond.wait()
                 item = q.popleft()
-            self.running = item
+                self.running = item  # under the lock: fail() sees it either queued or running
             try:
                 item.runner(item.plan, item.entry, self._null)
             except BaseException as e:  # delivered to whoever waits on the item
-                item.exc = e
-            self.running = None
-            item.plan = None  # host memory is free to reuse once the call returned
+                if item.exc is None:  # a failure fail() recorded first stays the reason
+                    item.exc = e
             with cond:
+                self.running = None
+                item.plan = None  # host memory is free to reuse once the call returned
                 item.done = True
                 self._pending -= 1
                 cbs = item.callbacks
@@ -245,12 +253,40 @@ class CpuRuntime(Runtime):
                 for cb in cbs:
                     cb()
 
+    def fail(self, error_for: Callable[[Any], BaseException]) -> None:
+        """End the queued work with a failure: the one place that does it
+        (``Communicator.mark_failed`` calls it). Queued items are removed
+        and completed with ``error_for(entry)``, never run; the running one,
+        inside a C call that may never return (oneCCL cannot abort), gets
+        the failure as its result whatever the call returns, and its waiters
+        and callbacks are released now. Later submissions raise."""
+        fired: List[Callable[[], None]] = []
+        with self._cond:
+            self._failed = True
+            queued = list(self._queue)
+            self._queue.clear()
+            for it in queued:
+                it.exc = error_for(it.entry)
+                it.plan = None
+                it.done = True
+                self._pending -= 1
+            run = self.running
+            if run is not None and run.exc is None:
+                run.exc = error_for(run.entry)
+            for it in queued + ([run] if run is not None else []):
+                if it.callbacks:
+                    fired += it.callbacks
+                it.callbacks = None
+            self._cond.notify_all()
+        for cb in fired:
+            cb()
+
     def _wait_item(self, item: _Item, timeout: Optional[float]) -> bool:
-        if item.done:
+        if item.done or item.exc is not None:
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while not item.done:
+            while not (item.done or item.exc is not None):
                 if deadline is None:
                     self._cond.wait()
                 else:
@@ -287,7 +323,7 @@ class CpuRuntime(Runtime):
         """Run ``cb`` once the work behind ``event`` completed (maybe now)."""
         item = event.item
         with self._cond:
-            if item is not None and not item.done:
+            if item is not None and not item.done and item.exc is None:
                 if item.callbacks is None:
                     item.callbacks = []
                 item.callbacks.append(cb)
@@ -303,15 +339,19 @@ class CpuRuntime(Runtime):
         return self._pending
 
     def close(self, timeout: Optional[float] = None) -> bool:
-        """Stop the comm thread after the queued work; False if it did not
-        finish within ``timeout``."""
+        """Stop the comm thread after the queued work; False if that work did
+        not finish within ``timeout``. An idle thread counts as finished even
+        if it has not exited yet (``timeout`` 0 after a failure): it runs no
+        more C calls, so the native communicator may be freed."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
             t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout)
-            return not t.is_alive()
+            if t.is_alive():
+                with self._cond:
+                    return self.running is None and not self._queue
         return True
 
 

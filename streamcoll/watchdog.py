@@ -135,13 +135,13 @@ def handle_timeout(comm: Any, op: str, seq: int, timeout: float, shapes: list,
 
 
 def _after_failure(comm: Any) -> None:
-    if comm._backend.name == "nccl":
-        try:
-            comm.abort()
-        except Exception:
-            pass
-    elif not comm._gpu:
-        skip_native_teardown()
+    """The library's teardown after a failure: ``Communicator.abort`` (NCCL:
+    ncclCommAbort; oneCCL, which cannot abort: a call still inside it makes
+    the exit skip the native teardown)."""
+    try:
+        comm.abort()
+    except Exception as e:  # the failure itself is what gets reported
+        log.debug("streamcoll watchdog: abort of %r after its failure raised %r", comm.name, e)
 
 
 # ------------------------------------------------------- exit without teardown
@@ -210,7 +210,7 @@ class Watchdog:
             self._thread.start()
 
     def _interval(self, comms: List[Any]) -> float:
-        ts = [c.timeout for c in comms] + [g[2] for g in list(self._guards.values())]
+        ts = [c.timeout for c in comms] + [g[2] for g in list(self._guards.values()) if not g[4]]
         return min([INTERVAL_S] + [max(0.05, t / 10) for t in ts])
 
     def _loop(self) -> None:
@@ -227,8 +227,9 @@ class Watchdog:
     def check(self, comms: List[Any]) -> None:
         now = flight.now_ns()
         for g in list(self._guards.values()):
-            what, start, timeout, detail = g
-            if (now - start) / 1e9 > timeout + GRACE_S:
+            what, start, timeout, detail, fired = g
+            if not fired and (now - start) / 1e9 > timeout + GRACE_S:
+                g[4] = True  # reported once; the guarded call may stay stuck (fail mode): not again
                 self._fire_guard(what, timeout, detail, (now - start) / 1e9)
         for comm in comms:
             if comm.destroyed or comm.failure is not None:
@@ -302,15 +303,9 @@ class Watchdog:
         """Say what happened, abort an NCCL communicator, then end the process
         (``exit``) or make its exit safe (``fail``)."""
         self._announce(msg)
-        if comm._backend.name == "nccl":
-            try:
-                comm.abort()
-            except Exception:
-                pass
+        _after_failure(comm)
         if m == "exit":
             _exit_now()
-        elif not comm._gpu:
-            skip_native_teardown()
 
     def _fire_error(self, comm: Any, err: BaseException) -> None:
         """An NCCL communicator reported an asynchronous error (a kernel failed
@@ -349,7 +344,7 @@ class Watchdog:
             return
         key = next(self._keys)
         with self._lock:
-            self._guards[key] = [what, flight.now_ns(), timeout, detail]
+            self._guards[key] = [what, flight.now_ns(), timeout, detail, False]  # ..., fired
             self._start()
         self._wake.set()  # recompute the interval for this timeout
         try:

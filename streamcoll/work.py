@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -28,7 +28,25 @@ def _seconds(timeout: Any) -> float:
     from .communicator import _seconds as seconds  # the one check of timeout arguments
     return seconds(timeout)
 
-__all__ = ["Work", "PostedWork", "Reaper"]
+__all__ = ["Work", "PostedWork", "Reaper", "POSTING", "launch_posted"]
+
+# Communicators holding posted p2p ops not launched yet (id -> communicator):
+# what every blocking call in the process launches first (launch_posted), and
+# what turns the fast paths off on every communicator while it is not empty
+# (Communicator._refresh_fast_paths reads it). See Communicator's docstring.
+POSTING: Dict[int, Any] = {}
+POSTING_LOCK = threading.RLock()
+
+
+def launch_posted(keep: Any = None) -> None:
+    """Launch the posted p2p ops of every communicator in the process but
+    ``keep`` (whose posted ops were issued after what its caller waits on):
+    called before anything that blocks on other ranks (a synchronous call, a
+    wait), so that no rank blocks while a peer may be waiting on an op this
+    process posted."""
+    for c in list(POSTING.values()):
+        if c is not keep:
+            c._flush_posted()
 
 
 class Reaper:
@@ -112,17 +130,33 @@ class Work:
         self.op = op
 
     # -- torch.distributed.Work API -------------------------------------
+    def _error(self) -> Optional[BaseException]:
+        """The one failure state every reader consults (wait, synchronize,
+        exception, is_success, is_completed, the future): the error the call
+        ended with (CPU: the C call's, or the failure ``mark_failed`` gave the
+        work it ended), else, once the communicator failed, the failure of
+        work that was unfinished then (its flight entry says failed) or is
+        still unfinished (a GPU runtime reports no per-event errors, and an
+        aborted NCCL kernel's results are not to be trusted)."""
+        exc = self._rt.error(self._event)
+        comm = self._comm
+        if exc is None and comm._failed is not None:
+            e = comm._flight.at(self.seq)
+            if (e is not None and e.state == "failed") or not self._rt.query(self._event):
+                exc = comm._work_failure(self.op, self.seq)
+        return exc
+
     def is_completed(self) -> bool:
-        """Whether the collective finished (queries the completion event; never blocks)."""
-        return self._rt.query(self._event)
+        """Whether the collective finished, or failed (never blocks)."""
+        return self._rt.query(self._event) or (self._comm._failed is not None and self._error() is not None)
 
     def is_success(self) -> bool:
         """Whether the collective completed without an error (never blocks)."""
-        return self.is_completed() and self._rt.error(self._event) is None
+        return self._rt.query(self._event) and self._error() is None
 
     def exception(self) -> Optional[BaseException]:
         """The error the collective ended with, or None."""
-        return self._rt.error(self._event)
+        return self._error()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Make the caller's current stream wait for the collective.
@@ -137,17 +171,19 @@ class Work:
         and waiting again may succeed (the watchdog declares it stuck once it
         has run for the communicator's timeout); with the communicator's
         timeout (or longer) the call is stuck, and the communicator is marked
-        failed. Returns True.
+        failed. A failed collective raises its error (:meth:`exception`).
+        Posted p2p ops of other communicators are launched first.
+        Returns True.
         """
         comm = self._comm
         t = comm.timeout if timeout is None else _seconds(timeout)
+        if POSTING:
+            launch_posted(comm)
         if comm._failed is not None:
             self._raise_if_failed()
         if not self._rt.wait_current(self._event, t):
             raise self._timeout(t)
-        exc = self._rt.error(self._event)
-        if exc is not None:
-            raise exc
+        self._raise_if_failed()
         self._release()
         return True
 
@@ -155,13 +191,13 @@ class Work:
         """Block the host until the collective completed (CUDA: event synchronize)."""
         comm = self._comm
         t = comm.timeout if timeout is None else _seconds(timeout)
+        if POSTING:
+            launch_posted(comm)
         if comm._failed is not None:
             self._raise_if_failed()
         if not self._rt.synchronize(self._event, t):
             raise self._timeout(t)
-        exc = self._rt.error(self._event)
-        if exc is not None:
-            raise exc
+        self._raise_if_failed()
         self._release()
 
     def _timeout(self, t: float) -> CollectiveTimeout:
@@ -179,15 +215,13 @@ class Work:
                                "declared stuck (the communicator's timeout passed): the communicator is failed")
 
     def _raise_if_failed(self) -> None:
-        """Work of a failed communicator that was unfinished when it failed
-        raises at once instead of waiting again for a call that cannot
-        complete (issue 7), also once the stream ran it after all (issue 12)."""
-        comm = self._comm
-        e = comm.flight.at(self.seq)
-        if (e is not None and e.state == "failed") or not self._rt.query(self._event):
-            raise CommunicatorError(
-                f"{self.op} (sequence number {self.seq}) cannot complete: communicator {comm.name!r} "
-                f"failed earlier: {comm._failed}") from comm._failed
+        """Raise :meth:`_error`, if any: work of a failed communicator that
+        was unfinished when it failed raises at once instead of waiting again
+        for a call that cannot complete (issue 7), also once the stream ran it
+        after all (issue 12)."""
+        exc = self._error()
+        if exc is not None:
+            raise exc
 
     def result(self) -> List[torch.Tensor]:
         """The output tensors (valid once the collective completed)."""
@@ -198,6 +232,8 @@ class Work:
         has completed (set with the exception if it failed)."""
         fut = self._future
         if fut is None:
+            if POSTING:
+                launch_posted(self._comm)  # its waiter will block: as wait()
             fut = self._future = torch.futures.Future()
             self._comm._complete_future_when_done(self)
         return fut
@@ -206,7 +242,7 @@ class Work:
         fut = self._future
         if fut is None or fut.done():
             return
-        exc = self._rt.error(self._event)
+        exc = self._error()
         if exc is not None:
             fut.set_exception(exc)
         else:
@@ -250,9 +286,10 @@ class PostedWork(Work):
     comm stream (CPU: the comm thread) and the send behind it never starts:
     both ranks deadlock. Instead the communicator collects posted ops and
     launches all of them as one group (GroupStart/GroupEnd, in which the
-    library progresses them together) the moment any of them is waited on or
-    queried, or another operation is issued on the communicator (see
-    ``Communicator._flush_posted``). No thread per op.
+    library progresses them together) when anything in the process is about
+    to block on other ranks (a wait, a synchronous call) or another operation
+    is issued on the communicator; a status query never launches (see
+    ``Communicator``'s docstring). No thread per op.
 
     Until then ``seq`` is 0; afterwards every method is the group's Work's.
     """
@@ -265,11 +302,13 @@ class PostedWork(Work):
         self._exc: Optional[BaseException] = None
 
     def _launched(self) -> Optional[Work]:
-        """The group Work this op went out with (launching the posted ops
-        now if they have not been); None if launching failed (``_exc``)."""
+        """The group Work this op went out with, launching the posted ops of
+        every communicator now if they have not been (a waiter blocks next);
+        None if it was ended without a launch (``_exc``: the launch failed,
+        or the communicator failed first)."""
         g = self._group
         if g is None and self._exc is None:
-            self._comm._flush_posted()
+            launch_posted()
             g = self._group
         return g
 
@@ -278,16 +317,29 @@ class PostedWork(Work):
         """True while the op waits to be launched with the others posted."""
         return self._group is None and self._exc is None
 
+    def _queried(self) -> Optional[Work]:
+        """What a status query sees: the group Work, launching this
+        communicator's posted ops only if they include a send (a poll loop
+        over an exchange must terminate). A lone posted receive stays posted:
+        launched by a poll, it would occupy the comm thread while the send
+        posted after it waits behind it (both ranks: a deadlock torch's
+        semantics do not have)."""
+        g = self._group
+        if g is None and self._exc is None and self._comm._posted_sends():
+            self._comm._flush_posted()
+            g = self._group
+        return g
+
     def is_completed(self) -> bool:
-        g = self._launched()
-        return True if g is None else g.is_completed()
+        g = self._queried()
+        return self._exc is not None if g is None else g.is_completed()
 
     def is_success(self) -> bool:
-        g = self._launched()
+        g = self._queried()
         return False if g is None else g.is_success()
 
     def exception(self) -> Optional[BaseException]:
-        g = self._launched()
+        g = self._queried()
         return self._exc if g is None else g.exception()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
