@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from . import spec
 from .communicator import Communicator
-from .errors import CollectiveTimeout, RendezvousError
+from .errors import CollectiveTimeout, CommunicatorError, RendezvousError
 
 __all__ = ["ProcessGroupStreamcoll", "StreamcollWork", "create_process_group", "register_backend", "BACKEND_NAME"]
 
@@ -134,6 +134,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         self._coalescing: Optional[tuple] = None
         self._last_device: Optional[torch.device] = None
         self._group_name: Optional[str] = None
+        self._failed: Optional[BaseException] = None  # why the group is unusable (abort), or None
 
     # -- identity -----------------------------------------------------------
     def getBackendName(self) -> str:
@@ -165,37 +166,58 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
 
     # -- communicators ------------------------------------------------------
     def communicator(self, device: Any, op: str = "collective") -> Communicator:
-        """The Communicator serving ``device`` (created on first use: a
+        """The Communicator serving ``device``'s type (created on first use: a
         collective call, so every rank must reach it). ``op`` names that
         collective in the timeout error if another rank never reaches it:
         the wait is then on the store (the ranks exchange the library's
-        unique id there), whose own error would name only a store key."""
+        unique id there), whose own error would name only a store key.
+
+        One communicator per device *type*, keyed and namespaced in the store
+        by the type alone (``streamcoll/cuda/``): each process drives one
+        device of a type (rank 0 ``cuda:0``, rank 1 ``cuda:1`` on a 2-GPU
+        host), so a key with the index would put the ranks of one
+        communicator under different store keys and the rendezvous would
+        never complete. A tensor on another device of a type already served
+        raises ValueError naming both devices."""
+        if self._failed is not None:
+            raise self._failed_error(op)
         dev = torch.device(device)
-        key = (dev.type, dev.index)
+        key = dev.type
         c = self._comms.get(key)
-        if c is not None:
-            return c
-        from .bootstrap import new_communicator
-        with self._lock:
-            c = self._comms.get(key)
-            if c is None:
-                store = dist.PrefixStore(f"streamcoll/{dev}/", self._store)
-                label = self._group_name if self._group_name is not None else "unnamed"
-                try:
-                    c = new_communicator(device=dev, timeout=self._timeout, store=store, rank=self._rank,
-                                         world_size=self._size, name=f"pg{label}-{dev.type}")
-                except (dist.DistStoreError, RendezvousError) as e:
-                    # the store timing out, or the rendezvous naming the ranks that never came
-                    if isinstance(e, dist.DistStoreError) and "imeout" not in str(e):
-                        raise
-                    t = _seconds(self._timeout)
-                    raise CollectiveTimeout(
-                        op, 0, t if t is not None else float("nan"), [], self._rank, self._size,
-                        f"timed out waiting for the other ranks: the group's first collective on {dev} creates "
-                        f"its communicator on every rank together, and not every rank reached this {op} "
-                        f"(store: {e})") from e
-                self._comms[key] = c
+        if c is None:
+            from .bootstrap import new_communicator
+            with self._lock:
+                c = self._comms.get(key)
+                if c is None:
+                    if dev.index is None and dev.type in ("cuda", "xpu"):
+                        dev = torch.device(dev.type, getattr(torch, dev.type).current_device())
+                    store = dist.PrefixStore(f"streamcoll/{key}/", self._store)
+                    label = self._group_name if self._group_name is not None else "unnamed"
+                    try:
+                        c = new_communicator(device=dev, timeout=self._timeout, store=store, rank=self._rank,
+                                             world_size=self._size, name=f"pg{label}-{key}")
+                    except (dist.DistStoreError, RendezvousError) as e:
+                        # the store timing out, or the rendezvous naming the ranks that never came
+                        if isinstance(e, dist.DistStoreError) and "imeout" not in str(e):
+                            raise
+                        t = _seconds(self._timeout)
+                        raise CollectiveTimeout(
+                            op, 0, t if t is not None else float("nan"), [], self._rank, self._size,
+                            f"timed out waiting for the other ranks: the group's first collective on {dev} "
+                            f"creates its communicator on every rank together, and not every rank reached "
+                            f"this {op} (store: {e})") from e
+                    self._comms[key] = c
+                    return c
+        have = getattr(c, "device", None)
+        if dev.index is not None and isinstance(have, torch.device) and have.index is not None \
+                and have.index != dev.index:
+            raise ValueError(f"device: this process's streamcoll group serves {have} (one device per process "
+                             f"and device type); got a tensor on {dev}")
         return c
+
+    def _failed_error(self, op: str) -> CommunicatorError:
+        return CommunicatorError(f"{op}: this streamcoll process group cannot be used: {self._failed}; "
+                                 "create a new one (dist.new_group / init_process_group)")
 
     def _comm(self, t: Any, name: str, op: str = "collective") -> Communicator:
         if not isinstance(t, torch.Tensor):

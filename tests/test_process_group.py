@@ -375,3 +375,34 @@ def test_ddp_cuda_one_rank():
         assert t.tolist() == [1.0, 1.0, 1.0]
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------ issue 21: the torch contracts
+def test_multi_gpu_ranks_meet_under_one_store_key(monkeypatch):
+    """Issue 21, finding 1. On a 2-GPU host rank 0's first collective is on
+    cuda:0 and rank 1's on cuda:1; both must create their communicator under
+    the same store keys (one key scheme every rank computes the same way:
+    the device type, not its index), or the rendezvous never completes.
+    Computed on the CPU: the process group hands ``new_communicator`` its
+    store, which is replaced here by the exchange the real one starts with
+    (rank 0 publishes, rank 1 reads, through the real store and prefixes)."""
+    from streamcoll import bootstrap
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=2))
+    got = {}
+
+    def exchange(device, timeout, store, rank, world_size, name):
+        if rank == 0:
+            store.set("unique_id", b"rank 0's id")
+        else:
+            got[rank] = store.get("unique_id")
+        return object()
+
+    monkeypatch.setattr(bootstrap, "new_communicator", exchange)
+    pgs = [ProcessGroupStreamcoll(store, r, 2, timedelta(seconds=2)) for r in range(2)]
+    pgs[0].communicator(torch.device("cuda", 0), "allreduce")
+    pgs[1].communicator(torch.device("cuda", 1), "allreduce")
+    assert got == {1: b"rank 0's id"}
+    # barrier(device_ids=[local_rank]) on the same line: rank 1's cuda:1 is its one cuda communicator
+    assert pgs[1].communicator(torch.device("cuda", 1)) is pgs[1].communicator("cuda:1")
