@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from . import spec
+from .callbacks import Future
 from .communicator import Communicator
 from .errors import CollectiveTimeout, CommunicatorError, RendezvousError
 
@@ -97,7 +98,7 @@ class StreamcollWork(dist._Work):
         fut = self._fut
         if fut is None:
             if self._work is None:
-                fut = torch.futures.Future()
+                fut = Future()
                 fut.set_result(list(self._outputs))
             else:
                 fut = self._work.get_future()
@@ -129,7 +130,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         self._rank = rank
         self._size = size
         self._timeout = timeout
-        self._comms: Dict[tuple, Communicator] = {}
+        self._comms: Dict[str, Communicator] = {}  # device type -> its communicator
         self._lock = threading.Lock()
         self._coalescing: Optional[tuple] = None
         self._last_device: Optional[torch.device] = None

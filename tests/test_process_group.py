@@ -406,3 +406,70 @@ def test_multi_gpu_ranks_meet_under_one_store_key(monkeypatch):
     assert got == {1: b"rank 0's id"}
     # barrier(device_ids=[local_rank]) on the same line: rank 1's cuda:1 is its one cuda communicator
     assert pgs[1].communicator(torch.device("cuda", 1)) is pgs[1].communicator("cuda:1")
+
+
+def _callback_issues_collective(comm, backend: str, port: int):
+    """Issue 21, finding 3: a future callback that issues a collective and
+    waits on its future (what PowerSGD's hook does)."""
+    r, n = comm.rank, comm.size
+    _init(backend, port, r, n)
+    try:
+        x = torch.full((2,), float(r + 1))
+        y = torch.full((2,), float(10 * (r + 1)))
+        fut = dist.all_reduce(x, async_op=True).get_future()
+        chained = fut.then(lambda f: dist.all_reduce(y, async_op=True).get_future().wait()[0].tolist())
+        got = chained.wait()
+        dist.barrier()
+        return x.tolist(), got
+    finally:
+        dist.destroy_process_group()
+
+
+def test_future_callback_may_issue_and_wait_on_a_collective(w2):
+    gloo = w2.run(_callback_issues_collective, "gloo", free_port(), timeout=60)
+    sc = w2.run(_callback_issues_collective, "streamcoll", free_port(), timeout=30)
+    assert sc == gloo
+    assert sc[0] == ([3.0, 3.0], [30.0, 30.0])
+
+
+def _powersgd_train(comm, backend: str, port: int, steps: int, late: float):
+    """DDP with PyTorch's PowerSGD comm hook (its callbacks issue and wait on
+    all_reduces), compressed from step 2 on; rank 1 is ``late`` s late at
+    the first compressed step."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    r, n = comm.rank, comm.size
+    _init(backend, port, r, n)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+        ddp = DDP(model)
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(300 + r)
+        for s in range(steps):
+            x = torch.randn(8, 32, generator=g)
+            loss = ddp(x).pow(2).mean()
+            opt.zero_grad()
+            if s == 2 and r == 1:
+                time.sleep(late)
+            loss.backward()
+            opt.step()
+        settle_gloo()
+        return [p.detach().clone() for p in model.parameters()]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_powersgd_hook_with_a_late_rank_matches_gloo(w2):
+    """Issue 21, finding 3: the hook hung at the first compressed step (its
+    callbacks ran on the comm thread and waited on that thread's queue)."""
+    gloo = w2.run(_powersgd_train, "gloo", free_port(), 4, 0.5, timeout=120)
+    sc = w2.run(_powersgd_train, "streamcoll", free_port(), 4, 0.5, timeout=60)
+    for r in range(2):
+        for a, b in zip(sc[r], gloo[r]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(sc[0], sc[1]):
+        assert torch.equal(a, b)
