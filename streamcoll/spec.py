@@ -577,9 +577,12 @@ def _plan_reduce_scatter_tensor(cx: Any, output: Any, input: Any, op: Any) -> Pl
 def _plan_reduce_scatter(cx: Any, output: Any, input_list: Any, op: Any) -> Plan:
     out = cx.t(output, "output")
     ins = _same_list(cx, out, "output", input_list, "input_list", out.numel(), "output")
-    flat = cx.torch.cat([x.reshape(-1) for x in ins]) if ins else out.new_empty(0)
-    return cx.native(TABLE["reduce_scatter_tensor"], {"output": out, "input": flat, "op": op},
+    # packed into one flat buffer when the call runs (cx.read_first), not now:
+    # async work queued before this call may still be writing the inputs
+    flat = out.new_empty((out.numel() * len(ins),))
+    plan = cx.native(TABLE["reduce_scatter_tensor"], {"output": out, "input": flat, "op": op},
                      names={"input": "input_list"}, keep=tuple(ins))
+    return cx.read_first(plan, lambda: cx.torch.cat([x.reshape(-1) for x in ins], out=flat))
 
 
 @collective(
@@ -688,8 +691,12 @@ def _plan_scatter(cx: Any, tensor: Any, scatter_list: Any = None, src: Any = 0) 
     me, n = cx.rank, t.numel()
     f = cx.cfunc("scatter")
     if f is not None:  # oneCCL, NCCL >= 2.28: one native call from a flat buffer on the root
-        flat = cx.torch.cat([x.reshape(-1) for x in ins]) if me == src else t
-        return Plan(f, (cx.vp(flat), cx.vp(t), n, d, src, cx.handle), None, (t, flat), (t,), "scatter")
+        if me != src:
+            return Plan(f, (cx.vp(t), cx.vp(t), n, d, src, cx.handle), None, (t,), (t,), "scatter")
+        # the root packs scatter_list when the call runs (cx.read_first), behind queued work that may write it
+        flat = t.new_empty((n * cx.size,))
+        plan = Plan(f, (cx.vp(flat), cx.vp(t), n, d, src, cx.handle), None, (t, flat, *ins), (t,), "scatter")
+        return cx.read_first(plan, lambda: cx.torch.cat([x.reshape(-1) for x in ins], out=flat))
     vp = cx.vp
     sends = [(vp(x), n, p, d) for p, x in enumerate(ins) if p != me and n]
     recvs = [] if me == src or not n else [(vp(t), n, src, d)]

@@ -473,3 +473,47 @@ def test_ddp_powersgd_hook_with_a_late_rank_matches_gloo(w2):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for a, b in zip(sc[0], sc[1]):
         assert torch.equal(a, b)
+
+
+def _reads_in_queue_order(comm, backend: str, port: int):
+    """Issue 21, finding 5: an async all_reduce writes ``t``; the composed
+    collectives issued after it (list reduce_scatter, scatter from the root)
+    must read ``t`` after it, as reduce_scatter_tensor does. Rank 1 joins the
+    all_reduce 0.3 s late, so on rank 0 it is still running when the next
+    call is issued."""
+    r, n = comm.rank, comm.size
+    _init(backend, port, r, n)
+    try:
+        out = {}
+        dist.barrier()
+        for name in ("reduce_scatter", "scatter", "reduce_scatter_tensor"):
+            t = torch.full((4 * n,), float(r + 1))
+            o = torch.empty(4)
+            if r == 1:
+                time.sleep(0.3)
+            w = dist.all_reduce(t, async_op=True)
+            if name == "reduce_scatter":
+                dist.reduce_scatter(o, list(t.chunk(n)))
+            elif name == "scatter":
+                dist.scatter(o, list(t.chunk(n)) if r == 0 else None, src=0)
+            else:
+                dist.reduce_scatter_tensor(o, t)
+            w.wait()
+            out[name] = o.tolist()
+        dist.barrier()
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_composed_collectives_read_in_queue_order(w2):
+    """No gloo oracle here: gloo runs an async op and the next one on two
+    worker threads, so its result for this program is itself a race (seen:
+    4.0 for both reduce_scatters, the mix of a stale and a fresh read).
+    streamcoll promises issue order on the CPU (a call goes behind the
+    queued async work), so the composed ones must give what the native
+    reduce_scatter_tensor gives in the same run."""
+    sc = w2.run(_reads_in_queue_order, "streamcoll", free_port(), timeout=60)
+    for r in range(2):
+        assert sc[r]["reduce_scatter"] == sc[r]["reduce_scatter_tensor"] == [6.0] * 4, sc
+        assert sc[r]["scatter"] == [3.0] * 4, sc
