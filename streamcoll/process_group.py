@@ -66,16 +66,19 @@ class StreamcollWork(dist._Work):
     once the collective completed, and ``is_completed()`` is True from then on.
     """
 
-    def __init__(self, work: Any, outputs: Sequence[torch.Tensor], op: str) -> None:
+    def __init__(self, work: Any, outputs: Sequence[torch.Tensor], op: str,
+                 timeout: Optional[float] = None) -> None:
         super().__init__()
         self._work = work
         self._outputs = list(outputs)
         self._op = op
+        self._timeout = timeout  # seconds a wait() without its own timeout waits (barrier's opts.timeout)
         self._fut: Optional[torch.futures.Future] = None
 
     def wait(self, timeout: Any = None) -> bool:
         if self._work is not None:
-            self._work.wait(_seconds(timeout))
+            t = _seconds(timeout)
+            self._work.wait(self._timeout if t is None else t)
         return True
 
     def synchronize(self) -> None:
@@ -290,16 +293,50 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
-    def barrier(self, opts: Any = None) -> StreamcollWork:
-        """A barrier on the communicator of ``opts.device_ids[0]`` (CUDA), else of
-        the device of the last collective, else the CPU's."""
+    def _barrier_device(self, opts: Any) -> torch.device:
+        """The device of a barrier, in torch's documented order (see
+        ``torch.distributed.barrier``): ``opts.device_ids[0]`` (on the
+        accelerator), the group's bound device (``init_process_group(
+        device_id=...)``), the device of the last collective (a barrier
+        orders after it), ``opts.device`` (what torch passes: the current
+        accelerator device, or cpu), cpu."""
         ids = list(getattr(opts, "device_ids", None) or [])
-        if ids and torch.cuda.is_available():
-            dev = torch.device("cuda", ids[0])
-        else:  # the device of the last collective (a barrier orders after it), else cpu
-            dev = self._last_device or torch.device("cpu")
+        dev = getattr(opts, "device", None)
+        if ids:  # torch sets opts.device to (accelerator type, ids[0]) with them; cpu where none is
+            if isinstance(dev, torch.device):
+                return torch.device("cpu") if dev.type == "cpu" else dev
+            return torch.device("cuda", ids[0]) if torch.cuda.is_available() else torch.device("cpu")
+        bound = getattr(self, "bound_device_id", None)
+        if bound is not None:
+            return torch.device(bound)
+        if self._last_device is not None:
+            return self._last_device
+        if dev is not None:
+            return torch.device(dev)
+        return torch.device("cpu")
+
+    def barrier(self, opts: Any = None) -> StreamcollWork:
+        """A barrier on the communicator of :meth:`_barrier_device`'s device.
+
+        ``opts.timeout`` (``dist.barrier(timeout=...)``) bounds the wait: past
+        it :class:`~streamcoll.CollectiveTimeout` names the barrier and the
+        timeout (with ``async_op=True``, ``wait()`` without a timeout of its
+        own waits that long). The barrier itself stays queued in the
+        communicator, so the late ranks' barriers still meet it and the
+        ranks stay in step; the communicator is not failed (a timeout
+        shorter than the communicator's means slow, not stuck)."""
+        dev = self._barrier_device(opts)
+        if dev.type not in ("cpu", "cuda", "xpu"):
+            raise ValueError(f"opts.device: the streamcoll backend supports cpu, cuda and xpu, got {dev}")
         c = self.communicator(dev, "barrier")
-        return self._work(c.barrier(self._async(opts)), [], "barrier")
+        t = _seconds(getattr(opts, "timeout", None))
+        if t is None:
+            return self._work(c.barrier(self._async(opts)), [], "barrier")
+        w = c.barrier(True)
+        if self._async(opts):
+            return StreamcollWork(w, [], "barrier", timeout=t)
+        w.synchronize(t)  # the host waits, as the synchronous barrier does (CUDA too)
+        return self._work(None, [], "barrier")
 
     # -- coalescing (torch's _coalescing_manager with a device) -------------
     def _grouped(self, c: Communicator, op: str, outputs: List[torch.Tensor], opts: Any,

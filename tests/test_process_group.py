@@ -517,3 +517,57 @@ def test_composed_collectives_read_in_queue_order(w2):
     for r in range(2):
         assert sc[r]["reduce_scatter"] == sc[r]["reduce_scatter_tensor"] == [6.0] * 4, sc
         assert sc[r]["scatter"] == [3.0] * 4, sc
+
+
+def _barrier_timeout(comm, backend: str, port: int):
+    """Issue 21, finding 6: rank 1 reaches the barrier 3 s late; rank 0's
+    ``barrier(timeout=1 s)`` must raise after about 1 s."""
+    r, n = comm.rank, comm.size
+    _init(backend, port, r, n)
+    try:
+        dist.all_reduce(torch.ones(1))  # the group's communicator exists: only the barrier waits
+        if r == 1:
+            time.sleep(3.0)
+        t0 = time.monotonic()
+        try:
+            dist.barrier(timeout=timedelta(seconds=1 if r == 0 else 2))
+            res = (None, time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 - compared in the parent
+            res = (type(e).__name__, time.monotonic() - t0, str(e))
+        return res
+    finally:
+        dist.destroy_process_group()
+
+
+def test_barrier_honours_its_timeout_like_gloo(w2):
+    gloo = w2.run(_barrier_timeout, "gloo", free_port(), timeout=60)
+    sc = w2.run(_barrier_timeout, "streamcoll", free_port(), timeout=60)
+    for res in (gloo[0], sc[0]):
+        assert res[0] is not None and 0.9 < res[1] < 2.5, (gloo, sc)
+    assert "barrier" in sc[0][2] and "1 s" in sc[0][2], sc[0]
+    # the late rank's barrier meets rank 0's, which still waits in the communicator
+    assert sc[1][0] is None, sc[1]
+
+
+def test_barrier_uses_opts_device():
+    """``opts.device`` picks the barrier's communicator (a first barrier in a
+    GPU job must not build a CPU/oneCCL one); a device the backend cannot
+    serve is refused, naming it, before any communicator is made."""
+    pg = ProcessGroupStreamcoll(dist.HashStore(), 0, 1, timedelta(seconds=5))
+    opts = dist.BarrierOptions()
+    opts.device = torch.device("meta")
+    with pytest.raises(ValueError, match="meta"):
+        pg.barrier(opts)
+    assert pg._comms == {}
+
+
+@pytest.mark.cuda
+def test_first_barrier_in_a_gpu_job_uses_the_gpu():
+    dist.init_process_group("streamcoll", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dist.barrier()
+        pg = dist.distributed_c10d._get_default_group()
+        assert list(pg._comms) == ["cuda"]
+        dist.barrier(timeout=timedelta(seconds=5))
+    finally:
+        dist.destroy_process_group()
