@@ -383,15 +383,22 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
     # -- lifecycle ----------------------------------------------------------
     def shutdown(self) -> None:
         """Destroy the communicators (idempotent); torch calls it from
-        ``destroy_process_group``."""
+        ``destroy_process_group``. Afterwards the group is unusable."""
+        if self._failed is None:
+            self._failed = CommunicatorError("process group was shut down")
         comms, self._comms = list(self._comms.values()), {}
         for c in comms:
             c.destroy()
 
     def abort(self) -> None:
-        """Abort the communicators where the library can (NCCL), else mark them failed."""
-        comms, self._comms = list(self._comms.values()), {}
-        for c in comms:
+        """Abort the communicators where the library can (NCCL), else mark them
+        failed; the group stays failed: every later collective raises
+        CommunicatorError at once (as gloo's does), instead of creating new
+        communicators through the store, which a survivor of a dead peer
+        would wait on for the group's whole timeout."""
+        if self._failed is None:
+            self._failed = CommunicatorError("process group was aborted")
+        for c in list(self._comms.values()):
             if not c.abort():
                 c.mark_failed(RuntimeError("process group aborted"))
 

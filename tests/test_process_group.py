@@ -571,3 +571,36 @@ def test_first_barrier_in_a_gpu_job_uses_the_gpu():
         dist.barrier(timeout=timedelta(seconds=5))
     finally:
         dist.destroy_process_group()
+
+
+def _after_abort(comm, backend: str, port: int):
+    """Issue 21, finding 8: after ``abort()`` the group stays failed: the next
+    collective raises at once instead of building new communicators (and,
+    with the peer gone, blocking for the group's timeout)."""
+    r, n = comm.rank, comm.size
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=n,
+                            timeout=timedelta(seconds=8))
+    pg = dist.distributed_c10d._get_default_group()
+    try:
+        dist.all_reduce(torch.ones(2))
+        dist.barrier()
+        pg.abort()
+        if r == 1:
+            return None  # the peer is gone for the group: it issues nothing more
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(2))
+            return (None, time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 - compared in the parent
+            return (type(e).__name__, time.monotonic() - t0, str(e))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_aborted_group_stays_failed(w2):
+    gloo = w2.run(_after_abort, "gloo", free_port(), timeout=60)
+    sc = w2.run(_after_abort, "streamcoll", free_port(), timeout=60)
+    assert gloo[0][0] is not None and gloo[0][1] < 1.0, gloo  # gloo raises at once too
+    kind, took, msg = sc[0]
+    assert kind == "CommunicatorError" and took < 1.0, sc
+    assert "abort" in msg, msg
