@@ -72,18 +72,40 @@ def canonical_op(op: Any) -> Tuple[str, float]:
     name = getattr(inner, "name", None)
     if isinstance(name, str) and type(inner).__name__ == "RedOpType":
         if name == "PREMUL_SUM":
-            raise TypeError(
-                "op: torch's PREMUL_SUM does not expose its factor to Python; "
-                "pass streamcoll.premul_sum(factor)"
-            )
+            return "PREMUL_SUM", _torch_premul_factor(op)
         if name in ReduceOp.__members__:
             return ReduceOp[name].value, 1.0
         raise TypeError(f"op: {name} is not supported by streamcoll (supported: SUM, PRODUCT, MIN, MAX, AVG, PREMUL_SUM)")
     raise TypeError(f"op: expected a streamcoll.ReduceOp or torch.distributed.ReduceOp, got {op!r}")
 
 
+def _torch_premul_factor(op: Any) -> float:
+    """The factor of torch's ``dist._make_nccl_premul_sum(factor)`` (FSDP2's
+    ``set_gradient_divide_factor`` passes one): torch keeps it in a C++
+    supplement that only the op's pickle state, ``(PREMUL_SUM, factor)``,
+    exposes to Python. A tensor factor (one element) is read as a float."""
+    getstate = getattr(op, "__getstate__", None)
+    state = getstate() if callable(getstate) else None
+    factor = state[1] if isinstance(state, tuple) and len(state) == 2 else None
+    if factor is None:
+        raise TypeError("op: torch's PREMUL_SUM without a factor; pass streamcoll.premul_sum(factor) or "
+                        "torch.distributed._make_nccl_premul_sum(factor)")
+    if hasattr(factor, "numel"):
+        if factor.numel() != 1:
+            raise ValueError(f"op: PREMUL_SUM factor: expected one element, got a tensor of shape "
+                             f"{tuple(factor.shape)}")
+        factor = factor.item()
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        raise TypeError(f"op: PREMUL_SUM factor: expected a float, got {factor!r}")
+    return float(factor)
+
+
 def op_key(op: Any) -> Hashable:
-    """A hashable cache key for ``op`` (torch's ReduceOp instances are not hashable)."""
+    """A hashable cache key for ``op``. By value, ``(name, factor)``, for
+    torch's ReduceOp instances: some are not hashable, and its PREMUL_SUMs
+    hash and compare equal whatever their factors."""
+    if type(op).__name__ == "ReduceOp" and not isinstance(op, ReduceOp):
+        return ("op", canonical_op(op))
     try:
         hash(op)
         return op

@@ -234,6 +234,10 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
 
     @staticmethod
     def _one(tensors: Any, name: str) -> torch.Tensor:
+        """The one tensor of a one-tensor list, or a single tensor (the C++
+        API's single-tensor overloads: ``pg.allreduce(t)``, ``pg.broadcast(t, root)``)."""
+        if isinstance(tensors, torch.Tensor):
+            return tensors
         if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
             n = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
             raise ValueError(f"{name}: expected a list of exactly one tensor (one device per process), got {n}")
@@ -413,17 +417,36 @@ def _nonempty(tensors: Any, name: str) -> Any:
     return tensors
 
 
-def _op(opts: Any) -> Any:
-    """The reduction of torch's option object (None: SUM; the allreduce(tensors, op) overload passes the op)."""
-    if opts is None:
+def _op(opts: Any, op: Any = None) -> Any:
+    """The reduction: ``op`` where an overload passes it separately
+    (``reduce(tensor, root, op)``), else the one in ``opts``: torch's option
+    object, a ReduceOp itself (``allreduce(tensors, op)``), or None or a root
+    rank (overloads without one): SUM."""
+    if op is not None:
+        return op
+    if opts is None or isinstance(opts, int):
         return dist.ReduceOp.SUM
-    if isinstance(opts, dist.ReduceOp):
+    if isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
         return opts
     return opts.reduceOp
 
 
 def _root(opts: Any) -> int:
-    return opts.rootRank if opts is not None else 0
+    """The root: ``opts.rootRank``, or the rank the single-tensor overloads pass in its place."""
+    if opts is None:
+        return 0
+    if isinstance(opts, int):
+        return opts
+    return opts.rootRank
+
+
+def _timed(work: StreamcollWork, timeout: Any) -> StreamcollWork:
+    """``work`` whose ``wait()`` without a timeout of its own waits ``timeout``
+    (the C++ overloads' ``timeout`` argument; None: the communicator's)."""
+    t = _seconds(timeout)
+    if t is not None:
+        work._timeout = t
+    return work
 
 
 def _pg_source(s: Any) -> List[str]:
@@ -449,9 +472,12 @@ def _pg_source(s: Any) -> List[str]:
                       for p in s.buffers if p.mutable or s.async_mode == "always") or "[]"
     args = ", ".join(p.name for p in s.params if p.name in m)
     if s.async_mode == "always":
-        lines.append(f"    return self._work(c.{s.name}({args}), {outs}, {s.pg[0]!r})")
+        call = f"self._work(c.{s.name}({args}), {outs}, {s.pg[0]!r})"
     else:
-        lines.append(f"    return self._run(c, {s.pg[0]!r}, {outs}, opts, lambda a: c.{s.name}({args}, a))")
+        call = f"self._run(c, {s.pg[0]!r}, {outs}, opts, lambda a: c.{s.name}({args}, a))"
+    if re.search(r"\btimeout\b", s.pg_params):
+        call = f"_timed({call}, timeout)"
+    lines.append(f"    return {call}")
     return lines
 
 
@@ -462,7 +488,7 @@ def _install_pg_methods() -> None:
         src = "\n".join(_pg_source(s)) + "\n"
         filename = f"<streamcoll generated ProcessGroupStreamcoll.{s.pg[0]}>"
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-        ns: Dict[str, Any] = {"_one": _one, "_op": _op, "_root": _root, "_nonempty": _nonempty}
+        ns: Dict[str, Any] = {"_one": _one, "_op": _op, "_root": _root, "_nonempty": _nonempty, "_timed": _timed}
         exec(compile(src, filename, "exec"), ns)
         fn = ns[s.pg[0]]
         fn.__doc__ = f"torch.distributed's {s.pg[0]} on streamcoll's {s.name}."

@@ -604,3 +604,92 @@ def test_aborted_group_stays_failed(w2):
     kind, took, msg = sc[0]
     assert kind == "CommunicatorError" and took < 1.0, sc
     assert "abort" in msg, msg
+
+
+def _single_tensor_overloads(comm, backend: str, port: int):
+    """Issue 21, finding 9: the ProcessGroup overloads torch's C++ API has
+    besides the list-and-options ones: ``allreduce(tensor, op)``,
+    ``broadcast(tensor, root)``, ``reduce(tensor, root, op)``."""
+    r, n = comm.rank, comm.size
+    _init(backend, port, r, n)
+    pg = dist.distributed_c10d._get_default_group()
+    try:
+        out = {}
+        t = torch.full((2,), float(r + 1))
+        pg.allreduce(t).wait()
+        out["allreduce"] = t.tolist()
+        t = torch.full((2,), float(r + 1))
+        pg.allreduce(t, dist.ReduceOp.MAX).wait()
+        out["allreduce_max"] = t.tolist()
+        t = torch.full((2,), float(r + 1))
+        pg.allreduce([t], dist.ReduceOp.MIN).wait()
+        out["allreduce_list_op"] = t.tolist()
+        t = torch.full((2,), float(r + 5))
+        pg.broadcast(t, 1).wait()
+        out["broadcast"] = t.tolist()
+        t = torch.full((2,), float(r + 1))
+        pg.reduce(t, 0, dist.ReduceOp.SUM).wait()
+        out["reduce"] = t.tolist() if r == 0 else None
+        dist.barrier()
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def _torch_premul_sum(comm, port: int):
+    """torch's ``_make_nccl_premul_sum`` (what FSDP2's
+    ``set_gradient_divide_factor`` passes to reduce_scatter_tensor)."""
+    r, n = comm.rank, comm.size
+    _init("streamcoll", port, r, n)
+    try:
+        t = torch.full((2,), float(r + 1))
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+        o = torch.empty(2)
+        dist.reduce_scatter_tensor(o, torch.full((2 * n,), float(r + 1)), op=dist._make_nccl_premul_sum(0.25))
+        return t.tolist(), o.tolist()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_single_tensor_overloads_like_gloo(w2):
+    gloo = w2.run(_single_tensor_overloads, "gloo", free_port(), timeout=60)
+    sc = w2.run(_single_tensor_overloads, "streamcoll", free_port(), timeout=60)
+    assert sc == gloo
+    assert sc[0] == {"allreduce": [3.0] * 2, "allreduce_max": [2.0] * 2, "allreduce_list_op": [1.0] * 2,
+                     "broadcast": [6.0] * 2, "reduce": [3.0] * 2}
+
+
+def test_torch_premul_sum_is_accepted(w2):
+    """gloo has no PREMUL_SUM; the reference is the definition (sum of factor * x)."""
+    for t, o in w2.run(_torch_premul_sum, free_port(), timeout=60):
+        assert t == [1.5, 1.5] and o == [0.75, 0.75]
+
+
+def _fsdp2_grads(comm, backend: str, port: int, factor):
+    """FSDP2 (``fully_shard``) gradients of one backward; ``factor``:
+    ``set_gradient_divide_factor`` (its reduce-scatter then takes torch's
+    ``_make_nccl_premul_sum(1 / factor)``), None: FSDP2's default AVG."""
+    from torch.distributed.fsdp import fully_shard
+
+    r, n = comm.rank, comm.size
+    _init(backend, port, r, n)
+    try:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        fully_shard(m)
+        if factor is not None:
+            m.set_gradient_divide_factor(factor)
+        m(torch.full((3, 8), float(r + 1))).sum().backward()
+        return [p.grad.full_tensor().clone() for p in m.parameters()]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_gradient_divide_factor(w2):
+    """Dividing by 2 x world size gives half of FSDP2's default average on
+    gloo (which has no PREMUL_SUM to run the factor itself)."""
+    gloo = w2.run(_fsdp2_grads, "gloo", free_port(), None, timeout=60)
+    sc = w2.run(_fsdp2_grads, "streamcoll", free_port(), 4.0, timeout=60)
+    for r in range(2):
+        for a, b in zip(sc[r], gloo[r]):
+            torch.testing.assert_close(a, b * 0.5)
