@@ -8,7 +8,9 @@ PREMUL_SUM carries a factor: ``streamcoll.premul_sum(0.5)`` (or torch's
 from __future__ import annotations
 
 import enum
-from typing import Any, Hashable, Tuple
+from typing import Any, Hashable, Optional, Tuple, Union
+
+import torch
 
 __all__ = ["ReduceOp", "PreMulSum", "premul_sum", "canonical_op"]
 
@@ -30,15 +32,50 @@ class ReduceOp(enum.Enum):
         return f"ReduceOp.{self.name}"
 
 
+_ONE = torch.ones((), dtype=torch.float64)
+
+
 class PreMulSum:
-    """SUM of inputs each multiplied by ``factor`` first (NCCL's ncclRedOpCreatePreMulSum)."""
+    """SUM of inputs each multiplied by ``factor`` first (NCCL's ncclRedOpCreatePreMulSum).
 
-    __slots__ = ("factor",)
+    ``factor``: a Python float, or a one-element floating tensor (as torch's
+    ``_make_nccl_premul_sum`` takes). The factor is also kept as a 0-d
+    float64 CPU tensor, :attr:`tensor`, made once here: that is what
+    compiled code passes the custom ops, so under ``torch.compile`` the
+    factor is a graph input, not a constant baked into (and guarded by) the
+    graph; a per-step factor (``1 / num_tokens``) then needs one graph, not
+    one per value. Eager code reads :attr:`factor` (a tensor given on a GPU
+    is read once, with a synchronisation).
+    """
 
-    def __init__(self, factor: float) -> None:
+    __slots__ = ("tensor", "_factor")
+
+    def __init__(self, factor: Union[float, "torch.Tensor"]) -> None:
+        if isinstance(factor, torch.Tensor):
+            if factor.numel() != 1 or not factor.dtype.is_floating_point:
+                raise TypeError(f"premul_sum factor: expected a Python float or a one-element floating tensor, "
+                                f"got a {factor.dtype} tensor of shape {tuple(factor.shape)}")
+            self.tensor = factor.detach().reshape(()).to(device="cpu", dtype=torch.float64)
+            self._factor: Optional[float] = None
+            return
+        if torch.compiler.is_compiling():
+            # traced: a float argument of the compiled function the compiler made
+            # symbolic stays symbolic (float() or scalar_tensor would specialise it)
+            self._factor = None
+            self.tensor = _ONE * factor
+            return
         if isinstance(factor, bool) or not isinstance(factor, (int, float)):
             raise TypeError(f"premul_sum factor: expected a Python float, got {type(factor).__name__}")
-        self.factor = float(factor)
+        self._factor = float(factor)
+        self.tensor = torch.tensor(self._factor, dtype=torch.float64)
+
+    @property
+    def factor(self) -> float:
+        """The factor as a float."""
+        f = self._factor
+        if f is None:
+            f = self._factor = float(self.tensor.item())
+        return f
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, PreMulSum) and other.factor == self.factor
@@ -50,8 +87,8 @@ class PreMulSum:
         return f"premul_sum({self.factor!r})"
 
 
-def premul_sum(factor: float) -> PreMulSum:
-    """A PREMUL_SUM reduction with the given scalar factor."""
+def premul_sum(factor: Union[float, "torch.Tensor"]) -> PreMulSum:
+    """A PREMUL_SUM reduction with the given factor (a float or a one-element tensor)."""
     return PreMulSum(factor)
 
 
