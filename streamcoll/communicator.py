@@ -191,6 +191,16 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _complete_on_device(index: Optional[int], work: Work) -> None:
+    """Complete ``work``'s future on the callback thread, with the
+    communicator's CUDA device current there (``index``; None: not CUDA),
+    as on streamcoll's other helper threads: its callbacks' CUDA work then
+    goes to that device, not to GPU 0 of every rank."""
+    if index is not None:
+        helper_threads.prepare(index)
+    work._set_future()
+
+
 def _fail_future(fut: torch.futures.Future, exc: BaseException) -> None:
     """Set ``exc`` on ``fut`` unless it completed meanwhile (on the callback thread)."""
     if not fut.done():
@@ -764,7 +774,8 @@ class Communicator(CollectiveMethods):
                     if fut is not None and not fut.done():
                         _callbacks.complete(functools.partial(_fail_future, fut, e))
                     return
-                _callbacks.complete(w._set_future)
+                _callbacks.complete(functools.partial(_complete_on_device, self._dev_index
+                                                      if self._dev_type == "cuda" else None, w))
             threading.Thread(target=_poll, daemon=True, name="streamcoll-future").start()
 
     def comm_stream(self, current: Any = None) -> Any:

@@ -693,3 +693,28 @@ def test_fsdp2_gradient_divide_factor(w2):
     for r in range(2):
         for a, b in zip(sc[r], gloo[r]):
             torch.testing.assert_close(a, b * 0.5)
+
+
+@pytest.mark.cuda
+def test_composed_collective_reads_on_the_comm_stream():
+    """Issue 21, finding 5 (GPU half): an async list reduce_scatter issued
+    behind an async all_reduce of the same buffer packs its inputs on the
+    comm stream, after the all_reduce (premul_sum(2): its post-op doubles
+    ``t`` there), not on the current stream when planned. The comm stream
+    is held back by a sleep so the early read, if any, sees the old value."""
+    import streamcoll
+    dist.init_process_group("streamcoll", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        t = torch.ones(1 << 16, device="cuda")
+        c = pg.communicator(t.device)
+        with torch.cuda.stream(c.comm_stream()):
+            torch.cuda._sleep(200_000_000)
+        w1 = c.all_reduce(t, streamcoll.premul_sum(2.0), async_op=True)
+        o = torch.empty_like(t)
+        w2 = c.reduce_scatter(o, [t], async_op=True)
+        w1.wait()
+        w2.wait()
+        assert o.unique().tolist() == [2.0]
+    finally:
+        dist.destroy_process_group()
