@@ -80,6 +80,7 @@ and the flight recorder the communicator owns (:attr:`flight`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import linecache
 import dataclasses
@@ -94,6 +95,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 import numpy as np
 import torch
 
+from . import callbacks as _callbacks
 from . import debug as _debug
 from . import helper_threads
 from . import recorder as _flight
@@ -236,6 +238,22 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _complete_on_device(index: Optional[int], work: Work) -> None:
+    """Complete ``work``'s future on the callback thread, with the
+    communicator's CUDA device current there (``index``; None: not CUDA),
+    as on streamcoll's other helper threads: its callbacks' CUDA work then
+    goes to that device, not to GPU 0 of every rank."""
+    if index is not None:
+        helper_threads.prepare(index)
+    work._set_future()
+
+
+def _fail_future(fut: torch.futures.Future, exc: BaseException) -> None:
+    """Set ``exc`` on ``fut`` unless it completed meanwhile (on the callback thread)."""
+    if not fut.done():
+        fut.set_exception(exc)
 
 
 def _sync_events_for(comm: Any) -> Any:
@@ -870,9 +888,15 @@ class Communicator(CollectiveMethods):
         return Work(self, rt, lane, ev, seq, name, plan.outputs, stash)
 
     def _complete_future_when_done(self, work: Work) -> None:
+        """Complete ``work``'s future once the collective has: the comm thread
+        (CPU) or a poller (GPU) sees it done and hands the completion to the
+        callback thread (:mod:`streamcoll.callbacks`), which runs the
+        future's callbacks: they may issue collectives and wait on them."""
         rt = self._rt
-        if hasattr(rt, "on_complete"):
-            rt.on_complete(work._event, work._set_future)
+        if rt.query(work._event):
+            work._set_future()  # done already: no callback attached yet, nothing runs but the result
+        elif hasattr(rt, "on_complete"):
+            rt.on_complete(work._event, lambda w=work: _callbacks.complete(w._set_future))
         else:
             # GPU: poll on a helper thread (the future completes when the GPU work has).
             def _poll(w: Work = work) -> None:
@@ -888,9 +912,10 @@ class Communicator(CollectiveMethods):
                 except BaseException as e:  # the future must complete, or its waiters hang
                     fut = w._future
                     if fut is not None and not fut.done():
-                        fut.set_exception(e)
+                        _callbacks.complete(functools.partial(_fail_future, fut, e))
                     return
-                w._set_future()
+                _callbacks.complete(functools.partial(_complete_on_device, self._dev_index
+                                                      if self._dev_type == "cuda" else None, w))
             helper_threads.Thread(target=_poll, daemon=True, name="streamcoll-future").start()
 
     def comm_stream(self, current: Any = None) -> Any:

@@ -15,7 +15,8 @@ What reaches the graph are integers and strings, never Python objects:
 
 - a communicator by its ``id`` (:func:`comm_id`; id 0 is "the
   default communicator at run time"),
-- a reduction as ``(op name, factor)``,
+- a reduction as ``(op name, factor)``, the factor a 0-d CPU tensor (a
+  graph input: see :func:`_op_parts`),
 - a stream by its index in a lookup table (:func:`stream_index`), and an
   asynchronous collective's handle by an event slot (:func:`new_event_slot`):
   the async op stores its :class:`~streamcoll.Work` in the slot, the join op
@@ -169,7 +170,7 @@ def _put_event(slot: int, work: Any) -> None:
 
 
 # ---------------------------------------------------------------- reductions
-_OPS: Dict[Tuple[str, float], Any] = {}
+_OPS: Dict[Tuple[str, float], Any] = {}  # (name, factor) -> the reduction, at run time
 
 
 @assume_constant_result
@@ -177,22 +178,32 @@ def _op_name(op: Any) -> str:
     return canonical_op(op)[0]
 
 
-def _op_parts(op: Any) -> Tuple[str, float]:
-    """``(name, factor)`` of ``op`` for the ops' schema. A PreMulSum's factor
-    is read as an attribute (under Dynamo: a guarded read), because torch
-    2.11's Dynamo cannot pass this user object to a constant-result function
-    (issue 12, finding 1); enum and string ops are constants and go through
-    :func:`_op_name`. Every other op's factor is 1.0."""
+_ONE = torch.ones((), dtype=torch.float64)  # the factor tensor of every op but PREMUL_SUM
+
+
+def _op_parts(op: Any) -> Tuple[str, _Tensor]:
+    """``(name, factor)`` of ``op`` for the ops' schema; the factor is a 0-d
+    float64 CPU tensor. A PreMulSum's is its :attr:`~streamcoll.PreMulSum.tensor`,
+    so under Dynamo the factor is a graph input (a tensor attribute of an
+    input, guarded on its dtype and shape, not on its value): one graph
+    serves every factor, where a float (an attribute read, guarded as a
+    constant) cost a graph per value and failed ``fullgraph=True`` at the
+    recompile limit. Enum and string ops are constants and go through
+    :func:`_op_name`; their factor is 1."""
     if isinstance(op, PreMulSum):
-        return "PREMUL_SUM", op.factor
-    return _op_name(op), 1.0
+        return "PREMUL_SUM", op.tensor
+    return _op_name(op), _ONE
 
 
-def _reduce_op(name: str, factor: float) -> Any:
-    key = (name, factor)
+def _reduce_op(name: str, factor: _Tensor) -> Any:
+    """The reduction an op runs (at run time: the factor tensor is read on the CPU, no sync)."""
+    f = float(factor.item()) if name == "PREMUL_SUM" else 1.0
+    key = (name, f)
     op = _OPS.get(key)
     if op is None:
-        op = _OPS[key] = PreMulSum(factor) if name == "PREMUL_SUM" else ReduceOp(name)
+        if len(_OPS) >= 4096:  # per-step factors: bounded
+            _OPS.clear()
+        op = _OPS[key] = PreMulSum(f) if name == "PREMUL_SUM" else ReduceOp(name)
     return op
 
 
@@ -262,7 +273,7 @@ def _sources(s: _spec.CollectiveSpec) -> Tuple[str, List[str]]:
     # in place
     sig = [f"{p.name}: _Tensor" for p in bufs] + [f"{p.name}: int" for p in ranks]
     sig += [f"{p.name}: {_ANN[p.kind]}" for p in splits] + ["comm: int"]
-    sig += ["op: str", "factor: float"] if red else []
+    sig += ["op: str", "factor: _Tensor"] if red else []
     sig += ["event: int"]
     names = [a.split(":")[0] for a in sig]
     call = ", ".join(("_reduce_op(op, factor)" if p.kind == _spec.OP else p.name) for p in s.params)
@@ -277,7 +288,7 @@ def _sources(s: _spec.CollectiveSpec) -> Tuple[str, List[str]]:
             ""]
     # functional
     fargs = ["input: _Tensor"] + [f"{p.name}: int" for p in ranks] + [f"{p.name}: {_ANN[p.kind]}" for p in splits]
-    fargs += ["comm: int"] + (["op: str", "factor: float"] if red else [])
+    fargs += ["comm: int"] + (["op: str", "factor: _Tensor"] if red else [])
     shape = s.functional_shape
     if shape in ("gather", "scatter"):
         fargs.append("world_size: int")

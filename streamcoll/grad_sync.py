@@ -26,13 +26,21 @@ How, in DDP's way:
   results back into ``.grad``. Bucket buffers are allocated once (again after
   the one rebuild) and reused every step.
 
-Parameters without gradients: ``requires_grad=False`` ones are ignored. A
-parameter that gets no gradient in a step on some rank (unused, as with DDP's
-``find_unused_parameters=True``) contributes zeros there, so every rank still
-launches the same buckets. Each bucket carries one extra element per
-parameter, 1 where this rank produced a gradient: after the reduction, a
-parameter no rank used keeps its ``.grad`` untouched (None stays None); one
-used elsewhere gets the reduced value, as DDP does.
+Which gradients a synchronised step reduces (DDP's rule with
+``find_unused_parameters=True``, so replicas never diverge): every trainable
+parameter's *standing* ``.grad``, whatever it holds: the gradient of this
+backward plus what was accumulated into ``.grad`` since (in ``no_sync()``
+micro-batches, or over steps without ``zero_grad``). A parameter whose hook
+did not fire in the synced backward contributes its ``.grad`` as it stands
+(zeros where it is None), so every rank still launches the same buckets.
+A parameter counts as *used* on a rank if a gradient was produced for it
+since the last ``finish()``, inside ``no_sync()`` included. Each bucket
+carries one extra element per parameter, 1 where this rank used it: after
+the reduction, a parameter no rank used keeps its ``.grad`` untouched (None
+stays None); every other one gets the reduced value on every rank. (The
+earlier rule, "only gradients whose hook fired in the synced backward",
+left a parameter used only in a ``no_sync`` micro-batch with its local,
+never-averaged gradient: replicas diverged silently.)
 
 Gradient accumulation: backward passes inside ``with sync.no_sync():`` only
 accumulate into ``.grad``; the next backward outside it reduces the sum.
@@ -145,6 +153,7 @@ class GradientSync:
         self._params = plist
         self._index: Dict[int, int] = {id(p): i for i, p in enumerate(plist)}
         self._ready = [False] * len(plist)
+        self._used = [False] * len(plist)  # a gradient produced since the last finish (no_sync included)
         self._no_sync = False
         self._record = bool(record_timeline)
         self._order: Optional[List[int]] = []  # ready order of the first step (None once rebuilt)
@@ -227,9 +236,10 @@ class GradientSync:
 
     # ------------------------------------------------------------ hooks
     def _hook(self, p: torch.Tensor) -> None:
-        if self._no_sync:
-            return
         i = self._index[id(p)]
+        if self._no_sync:
+            self._used[i] = True  # used in this synchronised step's accumulation (DDP counts it)
+            return
         if self._ready[i]:
             raise UsageError(
                 f"GradientSync: the gradient of parameter {i} (shape {tuple(p.shape)}) became ready twice "
@@ -241,6 +251,7 @@ class GradientSync:
             raise UsageError(f"GradientSync: parameter {i} has {'a sparse' if g is not None else 'no'} gradient; "
                                "dense gradients only")
         self._ready[i] = True
+        self._used[i] = True
         if self._order is not None:
             self._order.append(i)
         if self._record:
@@ -278,9 +289,12 @@ class GradientSync:
             self._no_sync = old
 
     def finish(self) -> None:
-        """Launch the buckets still open (zero-filling parameters that got no
-        gradient on this rank), wait for all of them and write the reduced
-        gradients into ``.grad``. Call it before ``optimizer.step()``."""
+        """Launch the buckets still open, filling in the parameters whose
+        hook did not fire in this backward with their standing ``.grad``
+        (zeros where None) and their used flag (a gradient since the last
+        finish, ``no_sync`` included), wait for all of them and write the
+        reduced gradients into ``.grad`` of every parameter some rank used.
+        Call it before ``optimizer.step()``."""
         if self._no_sync:
             raise UsageError("GradientSync.finish(): called inside no_sync(); call it after the synchronised backward")
         plist = self._params
@@ -288,7 +302,13 @@ class GradientSync:
             if b.pending:
                 for slot, i in enumerate(b.params):
                     if not self._ready[i]:
-                        b.views[slot].zero_()
+                        g = plist[i].grad
+                        if g is None:
+                            b.views[slot].zero_()
+                        else:
+                            b.views[slot].copy_(g)
+                        if self._used[i]:
+                            b.flags[slot] = 1
                 b.pending = 0
         self._launch_ready()
         for b in self._buckets:
@@ -314,6 +334,7 @@ class GradientSync:
             b.flags.zero_()
             b.pending = len(b.params)
         self._ready = [False] * len(self._params)
+        self._used = [False] * len(self._params)
         self._next = 0
 
     def _rebuild(self) -> None:

@@ -266,6 +266,32 @@ class PlanContext:
             return lambda: out.copy_(torch.div(out, n, rounding_mode="trunc"))
         return lambda: out.mul_(factor)
 
+    def read_first(self, plan: Plan, pre: Callable[[], Any]) -> Plan:
+        """``plan`` with ``pre()`` (a composed collective's read of its
+        inputs: packing a list into one flat buffer) run when the call runs,
+        not when it is planned: on the CPU on the thread that runs the call
+        (behind queued async work that may still write the inputs), on a GPU
+        on the stream the call is launched on (the comm stream for
+        ``async_op=True``, after its wait on the current stream). Reading at
+        plan time read buffers that work queued before was still writing."""
+        f = plan.fn
+        if not self.gpu:
+            fn = _after(pre, f)
+        else:
+            mod = getattr(torch, self.device.type)
+            cast = self.ffi.cast
+            attr = "cuda_stream" if self.device.type == "cuda" else "sycl_queue"
+
+            def fn(*args: Any) -> int:
+                hs = int(cast("uintptr_t", args[-1]))  # the stream handle the call is launched on
+                if hs == getattr(mod.current_stream(self.device), attr):
+                    pre()
+                else:
+                    with mod.stream(mod.ExternalStream(hs, device=self.device)):
+                        pre()
+                return f(*args)
+        return Plan(fn, plan.args, plan.post, plan.keep, plan.outputs, plan.cname, plan.p2p)
+
     # ---------------------------------------------------------- planners
     def native(self, spec: CollectiveSpec, a: Dict[str, Any], names: Optional[Dict[str, str]] = None,
                keep: tuple = (), opname: Optional[str] = None) -> Plan:

@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 
 from . import spec
+from .callbacks import Future
 from .communicator import Communicator
-from .errors import CollectiveTimeout, RendezvousError
+from .errors import CollectiveTimeout, CommunicatorError, RendezvousError
 
 __all__ = ["ProcessGroupStreamcoll", "StreamcollWork", "create_process_group", "register_backend", "BACKEND_NAME"]
 
@@ -65,16 +66,19 @@ class StreamcollWork(dist._Work):
     once the collective completed, and ``is_completed()`` is True from then on.
     """
 
-    def __init__(self, work: Any, outputs: Sequence[torch.Tensor], op: str) -> None:
+    def __init__(self, work: Any, outputs: Sequence[torch.Tensor], op: str,
+                 timeout: Optional[float] = None) -> None:
         super().__init__()
         self._work = work
         self._outputs = list(outputs)
         self._op = op
+        self._timeout = timeout  # seconds a wait() without its own timeout waits (barrier's opts.timeout)
         self._fut: Optional[torch.futures.Future] = None
 
     def wait(self, timeout: Any = None) -> bool:
         if self._work is not None:
-            self._work.wait(_seconds(timeout))
+            t = _seconds(timeout)
+            self._work.wait(self._timeout if t is None else t)
         return True
 
     def synchronize(self) -> None:
@@ -97,7 +101,7 @@ class StreamcollWork(dist._Work):
         fut = self._fut
         if fut is None:
             if self._work is None:
-                fut = torch.futures.Future()
+                fut = Future()
                 fut.set_result(list(self._outputs))
             else:
                 fut = self._work.get_future()
@@ -129,11 +133,12 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         self._rank = rank
         self._size = size
         self._timeout = timeout
-        self._comms: Dict[tuple, Communicator] = {}
+        self._comms: Dict[str, Communicator] = {}  # device type -> its communicator
         self._lock = threading.Lock()
         self._coalescing: Optional[tuple] = None
         self._last_device: Optional[torch.device] = None
         self._group_name: Optional[str] = None
+        self._failed: Optional[BaseException] = None  # why the group is unusable (abort), or None
 
     # -- identity -----------------------------------------------------------
     def getBackendName(self) -> str:
@@ -165,37 +170,58 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
 
     # -- communicators ------------------------------------------------------
     def communicator(self, device: Any, op: str = "collective") -> Communicator:
-        """The Communicator serving ``device`` (created on first use: a
+        """The Communicator serving ``device``'s type (created on first use: a
         collective call, so every rank must reach it). ``op`` names that
         collective in the timeout error if another rank never reaches it:
         the wait is then on the store (the ranks exchange the library's
-        unique id there), whose own error would name only a store key."""
+        unique id there), whose own error would name only a store key.
+
+        One communicator per device *type*, keyed and namespaced in the store
+        by the type alone (``streamcoll/cuda/``): each process drives one
+        device of a type (rank 0 ``cuda:0``, rank 1 ``cuda:1`` on a 2-GPU
+        host), so a key with the index would put the ranks of one
+        communicator under different store keys and the rendezvous would
+        never complete. A tensor on another device of a type already served
+        raises ValueError naming both devices."""
+        if self._failed is not None:
+            raise self._failed_error(op)
         dev = torch.device(device)
-        key = (dev.type, dev.index)
+        key = dev.type
         c = self._comms.get(key)
-        if c is not None:
-            return c
-        from .bootstrap import new_communicator
-        with self._lock:
-            c = self._comms.get(key)
-            if c is None:
-                store = dist.PrefixStore(f"streamcoll/{dev}/", self._store)
-                label = self._group_name if self._group_name is not None else "unnamed"
-                try:
-                    c = new_communicator(device=dev, timeout=self._timeout, store=store, rank=self._rank,
-                                         world_size=self._size, name=f"pg{label}-{dev.type}")
-                except (dist.DistStoreError, RendezvousError) as e:
-                    # the store timing out, or the rendezvous naming the ranks that never came
-                    if isinstance(e, dist.DistStoreError) and "imeout" not in str(e):
-                        raise
-                    t = _seconds(self._timeout)
-                    raise CollectiveTimeout(
-                        op, 0, t if t is not None else float("nan"), [], self._rank, self._size,
-                        f"timed out waiting for the other ranks: the group's first collective on {dev} creates "
-                        f"its communicator on every rank together, and not every rank reached this {op} "
-                        f"(store: {e})") from e
-                self._comms[key] = c
+        if c is None:
+            from .bootstrap import new_communicator
+            with self._lock:
+                c = self._comms.get(key)
+                if c is None:
+                    if dev.index is None and dev.type in ("cuda", "xpu"):
+                        dev = torch.device(dev.type, getattr(torch, dev.type).current_device())
+                    store = dist.PrefixStore(f"streamcoll/{key}/", self._store)
+                    label = self._group_name if self._group_name is not None else "unnamed"
+                    try:
+                        c = new_communicator(device=dev, timeout=self._timeout, store=store, rank=self._rank,
+                                             world_size=self._size, name=f"pg{label}-{key}")
+                    except (dist.DistStoreError, RendezvousError) as e:
+                        # the store timing out, or the rendezvous naming the ranks that never came
+                        if isinstance(e, dist.DistStoreError) and "imeout" not in str(e):
+                            raise
+                        t = _seconds(self._timeout)
+                        raise CollectiveTimeout(
+                            op, 0, t if t is not None else float("nan"), [], self._rank, self._size,
+                            f"timed out waiting for the other ranks: the group's first collective on {dev} "
+                            f"creates its communicator on every rank together, and not every rank reached "
+                            f"this {op} (store: {e})") from e
+                    self._comms[key] = c
+                    return c
+        have = getattr(c, "device", None)
+        if dev.index is not None and isinstance(have, torch.device) and have.index is not None \
+                and have.index != dev.index:
+            raise ValueError(f"device: this process's streamcoll group serves {have} (one device per process "
+                             f"and device type); got a tensor on {dev}")
         return c
+
+    def _failed_error(self, op: str) -> CommunicatorError:
+        return CommunicatorError(f"{op}: this streamcoll process group cannot be used: {self._failed}; "
+                                 "create a new one (dist.new_group / init_process_group)")
 
     def _comm(self, t: Any, name: str, op: str = "collective") -> Communicator:
         if not isinstance(t, torch.Tensor):
@@ -208,6 +234,10 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
 
     @staticmethod
     def _one(tensors: Any, name: str) -> torch.Tensor:
+        """The one tensor of a one-tensor list, or a single tensor (the C++
+        API's single-tensor overloads: ``pg.allreduce(t)``, ``pg.broadcast(t, root)``)."""
+        if isinstance(tensors, torch.Tensor):
+            return tensors
         if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
             n = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
             raise ValueError(f"{name}: expected a list of exactly one tensor (one device per process), got {n}")
@@ -267,16 +297,50 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
-    def barrier(self, opts: Any = None) -> StreamcollWork:
-        """A barrier on the communicator of ``opts.device_ids[0]`` (CUDA), else of
-        the device of the last collective, else the CPU's."""
+    def _barrier_device(self, opts: Any) -> torch.device:
+        """The device of a barrier, in torch's documented order (see
+        ``torch.distributed.barrier``): ``opts.device_ids[0]`` (on the
+        accelerator), the group's bound device (``init_process_group(
+        device_id=...)``), the device of the last collective (a barrier
+        orders after it), ``opts.device`` (what torch passes: the current
+        accelerator device, or cpu), cpu."""
         ids = list(getattr(opts, "device_ids", None) or [])
-        if ids and torch.cuda.is_available():
-            dev = torch.device("cuda", ids[0])
-        else:  # the device of the last collective (a barrier orders after it), else cpu
-            dev = self._last_device or torch.device("cpu")
+        dev = getattr(opts, "device", None)
+        if ids:  # torch sets opts.device to (accelerator type, ids[0]) with them; cpu where none is
+            if isinstance(dev, torch.device):
+                return torch.device("cpu") if dev.type == "cpu" else dev
+            return torch.device("cuda", ids[0]) if torch.cuda.is_available() else torch.device("cpu")
+        bound = getattr(self, "bound_device_id", None)
+        if bound is not None:
+            return torch.device(bound)
+        if self._last_device is not None:
+            return self._last_device
+        if dev is not None:
+            return torch.device(dev)
+        return torch.device("cpu")
+
+    def barrier(self, opts: Any = None) -> StreamcollWork:
+        """A barrier on the communicator of :meth:`_barrier_device`'s device.
+
+        ``opts.timeout`` (``dist.barrier(timeout=...)``) bounds the wait: past
+        it :class:`~streamcoll.CollectiveTimeout` names the barrier and the
+        timeout (with ``async_op=True``, ``wait()`` without a timeout of its
+        own waits that long). The barrier itself stays queued in the
+        communicator, so the late ranks' barriers still meet it and the
+        ranks stay in step; the communicator is not failed (a timeout
+        shorter than the communicator's means slow, not stuck)."""
+        dev = self._barrier_device(opts)
+        if dev.type not in ("cpu", "cuda", "xpu"):
+            raise ValueError(f"opts.device: the streamcoll backend supports cpu, cuda and xpu, got {dev}")
         c = self.communicator(dev, "barrier")
-        return self._work(c.barrier(self._async(opts)), [], "barrier")
+        t = _seconds(getattr(opts, "timeout", None))
+        if t is None:
+            return self._work(c.barrier(self._async(opts)), [], "barrier")
+        w = c.barrier(True)
+        if self._async(opts):
+            return StreamcollWork(w, [], "barrier", timeout=t)
+        w.synchronize(t)  # the host waits, as the synchronous barrier does (CUDA too)
+        return self._work(None, [], "barrier")
 
     # -- coalescing (torch's _coalescing_manager with a device) -------------
     def _grouped(self, c: Communicator, op: str, outputs: List[torch.Tensor], opts: Any,
@@ -323,15 +387,22 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
     # -- lifecycle ----------------------------------------------------------
     def shutdown(self) -> None:
         """Destroy the communicators (idempotent); torch calls it from
-        ``destroy_process_group``."""
+        ``destroy_process_group``. Afterwards the group is unusable."""
+        if self._failed is None:
+            self._failed = CommunicatorError("process group was shut down")
         comms, self._comms = list(self._comms.values()), {}
         for c in comms:
             c.destroy()
 
     def abort(self) -> None:
-        """Abort the communicators where the library can (NCCL), else mark them failed."""
-        comms, self._comms = list(self._comms.values()), {}
-        for c in comms:
+        """Abort the communicators where the library can (NCCL), else mark them
+        failed; the group stays failed: every later collective raises
+        CommunicatorError at once (as gloo's does), instead of creating new
+        communicators through the store, which a survivor of a dead peer
+        would wait on for the group's whole timeout."""
+        if self._failed is None:
+            self._failed = CommunicatorError("process group was aborted")
+        for c in list(self._comms.values()):
             if not c.abort():
                 c.mark_failed(RuntimeError("process group aborted"))
 
@@ -346,17 +417,36 @@ def _nonempty(tensors: Any, name: str) -> Any:
     return tensors
 
 
-def _op(opts: Any) -> Any:
-    """The reduction of torch's option object (None: SUM; the allreduce(tensors, op) overload passes the op)."""
-    if opts is None:
+def _op(opts: Any, op: Any = None) -> Any:
+    """The reduction: ``op`` where an overload passes it separately
+    (``reduce(tensor, root, op)``), else the one in ``opts``: torch's option
+    object, a ReduceOp itself (``allreduce(tensors, op)``), or None or a root
+    rank (overloads without one): SUM."""
+    if op is not None:
+        return op
+    if opts is None or isinstance(opts, int):
         return dist.ReduceOp.SUM
-    if isinstance(opts, dist.ReduceOp):
+    if isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
         return opts
     return opts.reduceOp
 
 
 def _root(opts: Any) -> int:
-    return opts.rootRank if opts is not None else 0
+    """The root: ``opts.rootRank``, or the rank the single-tensor overloads pass in its place."""
+    if opts is None:
+        return 0
+    if isinstance(opts, int):
+        return opts
+    return opts.rootRank
+
+
+def _timed(work: StreamcollWork, timeout: Any) -> StreamcollWork:
+    """``work`` whose ``wait()`` without a timeout of its own waits ``timeout``
+    (the C++ overloads' ``timeout`` argument; None: the communicator's)."""
+    t = _seconds(timeout)
+    if t is not None:
+        work._timeout = t
+    return work
 
 
 def _pg_source(s: Any) -> List[str]:
@@ -382,9 +472,12 @@ def _pg_source(s: Any) -> List[str]:
                       for p in s.buffers if p.mutable or s.async_mode == "always") or "[]"
     args = ", ".join(p.name for p in s.params if p.name in m)
     if s.async_mode == "always":
-        lines.append(f"    return self._work(c.{s.name}({args}), {outs}, {s.pg[0]!r})")
+        call = f"self._work(c.{s.name}({args}), {outs}, {s.pg[0]!r})"
     else:
-        lines.append(f"    return self._run(c, {s.pg[0]!r}, {outs}, opts, lambda a: c.{s.name}({args}, a))")
+        call = f"self._run(c, {s.pg[0]!r}, {outs}, opts, lambda a: c.{s.name}({args}, a))"
+    if re.search(r"\btimeout\b", s.pg_params):
+        call = f"_timed({call}, timeout)"
+    lines.append(f"    return {call}")
     return lines
 
 
@@ -395,7 +488,7 @@ def _install_pg_methods() -> None:
         src = "\n".join(_pg_source(s)) + "\n"
         filename = f"<streamcoll generated ProcessGroupStreamcoll.{s.pg[0]}>"
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-        ns: Dict[str, Any] = {"_one": _one, "_op": _op, "_root": _root, "_nonempty": _nonempty}
+        ns: Dict[str, Any] = {"_one": _one, "_op": _op, "_root": _root, "_nonempty": _nonempty, "_timed": _timed}
         exec(compile(src, filename, "exec"), ns)
         fn = ns[s.pg[0]]
         fn.__doc__ = f"torch.distributed's {s.pg[0]} on streamcoll's {s.name}."

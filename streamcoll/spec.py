@@ -129,8 +129,10 @@ class CollectiveSpec:
     # The torch.distributed ProcessGroup methods this collective serves
     # (streamcoll.process_group): their names, their parameter list, and an
     # expression per parameter of ours in terms of theirs (``opts`` is torch's
-    # option object; ``_one(x, name)`` unwraps a one-tensor list); the first
-    # mapped buffer picks the device.
+    # option object, or what the C++ API's other overloads pass in its place:
+    # a ReduceOp, a root rank; ``_one(x, name)`` unwraps a one-tensor list or
+    # takes a single tensor; a ``timeout`` parameter bounds the Work's wait);
+    # the first mapped buffer picks the device.
     pg: Tuple[str, ...] = ()
     pg_params: str = ""
     pg_map: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -434,7 +436,7 @@ _SUMOP = ReduceOp.SUM
     c={"nccl": "ncclAllReduce", "oneccl": "onecclAllReduce"},
     send="tensor", recv="tensor", count=("tensor", "numel"), reduces=True,
     compiled=True, functional_shape="same", fast=True, reference=ref_all_reduce,
-    pg=('allreduce',), pg_params='tensors, opts=None',
+    pg=('allreduce',), pg_params='tensors, opts=None, timeout=None',
     pg_map={'tensor': "_one(tensors, 'tensors')", 'op': '_op(opts)'},
     bus_factor=lambda n: 2.0 * (n - 1) / n,
 )
@@ -449,7 +451,7 @@ def _plan_all_reduce(cx: Any, tensor: Any, op: Any) -> Plan:
     c={"nccl": "ncclBroadcast", "oneccl": "onecclBroadcast"},
     send="tensor", recv="tensor", count=("tensor", "numel"), root="src",
     compiled=True, functional_shape="same", fast=True, reference=ref_broadcast,
-    pg=('broadcast',), pg_params='tensors, opts=None',
+    pg=('broadcast',), pg_params='tensors, opts=None, timeout=None',
     pg_map={'tensor': "_one(tensors, 'tensors')", 'src': '_root(opts)'},
     bus_factor=lambda n: 1.0,
 )
@@ -464,8 +466,8 @@ def _plan_broadcast(cx: Any, tensor: Any, src: Any) -> Plan:
     c={"nccl": "ncclReduce", "oneccl": "onecclReduce"},
     send="tensor", recv="tensor", count=("tensor", "numel"), root="dst", reduces=True,
     post_on_root_only=True, compiled=True, functional_shape="same", fast=True, reference=ref_reduce,
-    pg=('reduce',), pg_params='tensors, opts=None',
-    pg_map={'tensor': "_one(tensors, 'tensors')", 'dst': '_root(opts)', 'op': '_op(opts)'},
+    pg=('reduce',), pg_params='tensors, opts=None, op=None, timeout=None',
+    pg_map={'tensor': "_one(tensors, 'tensors')", 'dst': '_root(opts)', 'op': '_op(opts, op)'},
     bus_factor=lambda n: 1.0,
 )
 def _plan_reduce(cx: Any, tensor: Any, dst: Any, op: Any) -> Plan:
@@ -577,9 +579,12 @@ def _plan_reduce_scatter_tensor(cx: Any, output: Any, input: Any, op: Any) -> Pl
 def _plan_reduce_scatter(cx: Any, output: Any, input_list: Any, op: Any) -> Plan:
     out = cx.t(output, "output")
     ins = _same_list(cx, out, "output", input_list, "input_list", out.numel(), "output")
-    flat = cx.torch.cat([x.reshape(-1) for x in ins]) if ins else out.new_empty(0)
-    return cx.native(TABLE["reduce_scatter_tensor"], {"output": out, "input": flat, "op": op},
+    # packed into one flat buffer when the call runs (cx.read_first), not now:
+    # async work queued before this call may still be writing the inputs
+    flat = out.new_empty((out.numel() * len(ins),))
+    plan = cx.native(TABLE["reduce_scatter_tensor"], {"output": out, "input": flat, "op": op},
                      names={"input": "input_list"}, keep=tuple(ins))
+    return cx.read_first(plan, lambda: cx.torch.cat([x.reshape(-1) for x in ins], out=flat))
 
 
 @collective(
@@ -688,8 +693,12 @@ def _plan_scatter(cx: Any, tensor: Any, scatter_list: Any = None, src: Any = 0) 
     me, n = cx.rank, t.numel()
     f = cx.cfunc("scatter")
     if f is not None:  # oneCCL, NCCL >= 2.28: one native call from a flat buffer on the root
-        flat = cx.torch.cat([x.reshape(-1) for x in ins]) if me == src else t
-        return Plan(f, (cx.vp(flat), cx.vp(t), n, d, src, cx.handle), None, (t, flat), (t,), "scatter")
+        if me != src:
+            return Plan(f, (cx.vp(t), cx.vp(t), n, d, src, cx.handle), None, (t,), (t,), "scatter")
+        # the root packs scatter_list when the call runs (cx.read_first), behind queued work that may write it
+        flat = t.new_empty((n * cx.size,))
+        plan = Plan(f, (cx.vp(flat), cx.vp(t), n, d, src, cx.handle), None, (t, flat, *ins), (t,), "scatter")
+        return cx.read_first(plan, lambda: cx.torch.cat([x.reshape(-1) for x in ins], out=flat))
     vp = cx.vp
     sends = [(vp(x), n, p, d) for p, x in enumerate(ins) if p != me and n]
     recvs = [] if me == src or not n else [(vp(t), n, src, d)]

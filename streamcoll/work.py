@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from . import helper_threads
+from .callbacks import Future
 from .errors import CollectiveTimeout, CommunicatorError
 
 
@@ -229,12 +230,15 @@ class Work:
 
     def get_future(self) -> torch.futures.Future:
         """A torch Future completed with the output tensors when the collective
-        has completed (set with the exception if it failed)."""
+        has completed (set with the exception if it failed). It completes, and
+        its callbacks run, on streamcoll's callback thread
+        (:mod:`streamcoll.callbacks`), never on the thread that runs
+        collectives, so a callback may issue a collective and wait on it."""
         fut = self._future
         if fut is None:
             if POSTING:
                 launch_posted(self._comm)  # its waiter will block: as wait()
-            fut = self._future = torch.futures.Future()
+            fut = self._future = Future()
             self._comm._complete_future_when_done(self)
         return fut
 

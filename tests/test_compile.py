@@ -243,10 +243,10 @@ def _unused_results_still_communicate(comm):
 def _eager_custom_ops(comm):
     """The custom ops called eagerly go through the same Communicator code."""
     t = torch.full((3,), float(comm.rank + 1))
-    torch.ops.streamcoll.all_reduce_(t, custom_ops.comm_id(comm), "SUM", 1.0, -1)
+    torch.ops.streamcoll.all_reduce_(t, custom_ops.comm_id(comm), "SUM", torch.tensor(1.0, dtype=torch.float64), -1)
     slot = custom_ops.new_event_slot()
     u = torch.full((3,), float(comm.rank + 1))
-    torch.ops.streamcoll.all_reduce_(u, custom_ops.comm_id(None), "PREMUL_SUM", 0.5, slot)
+    torch.ops.streamcoll.all_reduce_(u, custom_ops.comm_id(None), "PREMUL_SUM", torch.tensor(0.5, dtype=torch.float64), slot)
     custom_ops.TracedWork([u], slot, custom_ops.stream_index("comm", 0), custom_ops.stream_index("current", 0)).wait()
     return t, u
 
@@ -416,3 +416,59 @@ def test_compiled_async_step_cuda_one_rank():
         torch._dynamo.config.trace_autograd_ops = old
         torch._dynamo.reset()
         comm.destroy()
+
+
+# ------------------------------------ issue 21, finding 7: premul_sum factors
+def _premul_factor_is_a_graph_input(comm, form: str):
+    """A compiled step whose premul_sum factor changes every call (a
+    per-step ``1 / num_tokens``): one graph for every value, no recompile,
+    and each call scaled by its own factor. ``form``: the op passed in
+    (``"object"``) or built inside from a 0-d tensor factor (``"tensor"``)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    if form == "object":
+        def fn(x, op):
+            streamcoll.all_reduce(x, op=op)
+            return x
+    else:
+        def fn(x, f):
+            streamcoll.all_reduce(x, op=streamcoll.premul_sum(f))
+            return x
+
+    def plain(x, f):  # torch's own handling of a float argument, for the "float" form
+        return x * f
+
+    def graphs_of(g, arg):
+        torch._dynamo.reset()
+        counters.clear()
+        got = []
+        try:
+            c = torch.compile(g, backend="aot_eager", fullgraph=True)
+            for k in range(10):
+                f = 1.0 / (k + 2)
+                x = torch.ones(2)
+                c(x, arg(f))
+                got.append((f * comm.size, x.tolist()))
+            return got, counters["stats"]["unique_graphs"]
+        finally:
+            torch._dynamo.reset()
+
+    arg = {"object": streamcoll.premul_sum, "tensor": torch.tensor, "float": float}[form]
+    got, graphs = graphs_of(fn, arg)
+    return got, graphs, graphs_of(plain, float)[1]
+
+
+@pytest.mark.parametrize("form", ["object", "tensor", "float"])
+def test_premul_sum_factor_is_a_graph_input(w2, form):
+    """Before: the factor was a guarded constant, one graph per value, and
+    fullgraph=True failed at the 9th (FailOnRecompileLimitHit). Now one
+    graph for every factor given as a PreMulSum or a tensor; a plain float
+    argument of the compiled function costs what it costs torch in
+    ``x * f`` (its first call specialises, the next one makes it symbolic:
+    2 graphs), and never more."""
+    for got, graphs, plain in w2.run(_premul_factor_is_a_graph_input, form, timeout=300):
+        assert graphs == (plain if form == "float" else 1), (graphs, plain)
+        assert plain <= 2
+        for want, x in got:
+            assert x == pytest.approx([want, want], rel=1e-6), got

@@ -5,6 +5,7 @@ a gloo process group on a free loopback port (destroyed afterwards).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from datetime import timedelta
 
@@ -266,3 +267,100 @@ def test_initial_parameters_and_buffers_from_rank_0(w2, sync):
     else:
         # seeded tensors differ when nothing is broadcast (BatchNorm's weight/bias/var start equal)
         assert {"0.weight", "0.bias", "2.weight", "1.running_mean", "1.num_batches_tracked"} <= set(differ), differ
+
+
+# ------------------------------------- issue 21, finding 2: DDP's reduction rule
+class Two(torch.nn.Module):
+    """Two scalar parameters: ``a`` always used, ``b`` only where asked;
+    the loss's gradient of each is the sum of the input, so values are exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.ones(()))
+        self.b = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x, use_b: bool):
+        out = self.a * x
+        if use_b:
+            out = out + self.b * x
+        return out
+
+
+# Each plan: steps of micro-batches (x, use_b) per rank; the last micro-batch
+# of a step is the synchronised one, the others run inside no_sync();
+# zero_grad between steps or not.
+_PLANS = {
+    # b used only in a no_sync micro-batch (gradient 2 on rank 0, 4 on rank 1):
+    # DDP counts that use and reduces the accumulated .grad, 3.0 on both
+    "no_sync": ([[(lambda r: 2.0 * (r + 1), True), (lambda r: 1.0, False)]], True),
+    # accumulation over synced steps without zero_grad, b unused on rank 1 in
+    # step 2 (DDP reduces rank 1's standing .grad), then unused by everyone
+    # in step 3 (DDP leaves .grad as it is)
+    "accumulate": ([[(lambda r: float(r + 1), True)],
+                    [(lambda r: float(r + 1), lambda r: r == 0)],
+                    [(lambda r: float(r + 1), False)]], False),
+}
+
+
+def _grads_after_each_step(plan, rank, step_fn):
+    steps, zero = plan
+    out = []
+    for micro in steps:
+        for k, (x, use_b) in enumerate(micro):
+            step_fn(torch.full((2,), x(rank) / 2), use_b(rank) if callable(use_b) else use_b,
+                    k < len(micro) - 1)
+        out.append([None if p.grad is None else p.grad.item() for p in (step_fn.model.a, step_fn.model.b)])
+        if zero:
+            step_fn.model.zero_grad(set_to_none=False)
+    return out
+
+
+def _ddp_vs_gradient_sync(comm, port, name):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    plan = _PLANS[name]
+    r = comm.rank
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=comm.size,
+                            timeout=timedelta(seconds=60))
+    try:
+        model = Two()
+        ddp = DDP(model, find_unused_parameters=True)
+
+        def ddp_step(x, use_b, accumulate):
+            ctx = ddp.no_sync() if accumulate else contextlib.nullcontext()
+            with ctx:
+                ddp(x, use_b).sum().backward()
+
+        ddp_step.model = model
+        ref = _grads_after_each_step(plan, r, ddp_step)
+        settle_gloo()
+    finally:
+        dist.destroy_process_group()
+    model = Two()
+    sync = GradientSync(model, group=comm)
+
+    def sync_step(x, use_b, accumulate):
+        if accumulate:
+            with sync.no_sync():
+                model(x, use_b).sum().backward()
+        else:
+            model(x, use_b).sum().backward()
+            sync.finish()
+
+    sync_step.model = model
+    return ref, _grads_after_each_step(plan, r, sync_step)
+
+
+@pytest.mark.parametrize("name", sorted(_PLANS))
+def test_reduces_what_ddp_reduces(w2, name):
+    """Issue 21, finding 2: a synced step reduces every parameter's standing
+    ``.grad`` (accumulated in no_sync or over steps without zero_grad), and a
+    parameter counts as used if its gradient was produced anywhere since the
+    last synced step, no_sync included: GradientSync equals
+    DDP(find_unused_parameters=True) on gloo, value for value, on both ranks."""
+    res = w2.run(_ddp_vs_gradient_sync, free_port(), name, timeout=120)
+    for r, (ref, mine) in enumerate(res):
+        assert mine == ref, (r, mine, ref)
+    assert res[0][1] == res[1][1]  # the replicas agree
+    if name == "no_sync":
+        assert res[0][0][0][1] == 3.0

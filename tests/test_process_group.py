@@ -375,3 +375,346 @@ def test_ddp_cuda_one_rank():
         assert t.tolist() == [1.0, 1.0, 1.0]
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------ issue 21: the torch contracts
+def test_multi_gpu_ranks_meet_under_one_store_key(monkeypatch):
+    """Issue 21, finding 1. On a 2-GPU host rank 0's first collective is on
+    cuda:0 and rank 1's on cuda:1; both must create their communicator under
+    the same store keys (one key scheme every rank computes the same way:
+    the device type, not its index), or the rendezvous never completes.
+    Computed on the CPU: the process group hands ``new_communicator`` its
+    store, which is replaced here by the exchange the real one starts with
+    (rank 0 publishes, rank 1 reads, through the real store and prefixes)."""
+    from streamcoll import bootstrap
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=2))
+    got = {}
+
+    def exchange(device, timeout, store, rank, world_size, name):
+        if rank == 0:
+            store.set("unique_id", b"rank 0's id")
+        else:
+            got[rank] = store.get("unique_id")
+        return object()
+
+    monkeypatch.setattr(bootstrap, "new_communicator", exchange)
+    pgs = [ProcessGroupStreamcoll(store, r, 2, timedelta(seconds=2)) for r in range(2)]
+    pgs[0].communicator(torch.device("cuda", 0), "allreduce")
+    pgs[1].communicator(torch.device("cuda", 1), "allreduce")
+    assert got == {1: b"rank 0's id"}
+    # barrier(device_ids=[local_rank]) on the same line: rank 1's cuda:1 is its one cuda communicator
+    assert pgs[1].communicator(torch.device("cuda", 1)) is pgs[1].communicator("cuda:1")
+
+
+def _callback_issues_collective(comm, backend: str, port: int):
+    """Issue 21, finding 3: a future callback that issues a collective and
+    waits on its future (what PowerSGD's hook does)."""
+    r, n = comm.rank, comm.size
+    _init(backend, port, r, n)
+    try:
+        x = torch.full((2,), float(r + 1))
+        y = torch.full((2,), float(10 * (r + 1)))
+        fut = dist.all_reduce(x, async_op=True).get_future()
+        chained = fut.then(lambda f: dist.all_reduce(y, async_op=True).get_future().wait()[0].tolist())
+        got = chained.wait()
+        dist.barrier()
+        return x.tolist(), got
+    finally:
+        dist.destroy_process_group()
+
+
+def test_future_callback_may_issue_and_wait_on_a_collective(w2):
+    gloo = w2.run(_callback_issues_collective, "gloo", free_port(), timeout=60)
+    sc = w2.run(_callback_issues_collective, "streamcoll", free_port(), timeout=30)
+    assert sc == gloo
+    assert sc[0] == ([3.0, 3.0], [30.0, 30.0])
+
+
+def _powersgd_train(comm, backend: str, port: int, steps: int, late: float):
+    """DDP with PyTorch's PowerSGD comm hook (its callbacks issue and wait on
+    all_reduces), compressed from step 2 on; rank 1 is ``late`` s late at
+    the first compressed step."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    r, n = comm.rank, comm.size
+    _init(backend, port, r, n)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+        ddp = DDP(model)
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(300 + r)
+        for s in range(steps):
+            x = torch.randn(8, 32, generator=g)
+            loss = ddp(x).pow(2).mean()
+            opt.zero_grad()
+            if s == 2 and r == 1:
+                time.sleep(late)
+            loss.backward()
+            opt.step()
+        settle_gloo()
+        return [p.detach().clone() for p in model.parameters()]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_powersgd_hook_with_a_late_rank_matches_gloo(w2):
+    """Issue 21, finding 3: the hook hung at the first compressed step (its
+    callbacks ran on the comm thread and waited on that thread's queue)."""
+    gloo = w2.run(_powersgd_train, "gloo", free_port(), 4, 0.5, timeout=120)
+    sc = w2.run(_powersgd_train, "streamcoll", free_port(), 4, 0.5, timeout=60)
+    for r in range(2):
+        for a, b in zip(sc[r], gloo[r]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(sc[0], sc[1]):
+        assert torch.equal(a, b)
+
+
+def _reads_in_queue_order(comm, backend: str, port: int):
+    """Issue 21, finding 5: an async all_reduce writes ``t``; the composed
+    collectives issued after it (list reduce_scatter, scatter from the root)
+    must read ``t`` after it, as reduce_scatter_tensor does. Rank 1 joins the
+    all_reduce 0.3 s late, so on rank 0 it is still running when the next
+    call is issued."""
+    r, n = comm.rank, comm.size
+    _init(backend, port, r, n)
+    try:
+        out = {}
+        dist.barrier()
+        for name in ("reduce_scatter", "scatter", "reduce_scatter_tensor"):
+            t = torch.full((4 * n,), float(r + 1))
+            o = torch.empty(4)
+            if r == 1:
+                time.sleep(0.3)
+            w = dist.all_reduce(t, async_op=True)
+            if name == "reduce_scatter":
+                dist.reduce_scatter(o, list(t.chunk(n)))
+            elif name == "scatter":
+                dist.scatter(o, list(t.chunk(n)) if r == 0 else None, src=0)
+            else:
+                dist.reduce_scatter_tensor(o, t)
+            w.wait()
+            out[name] = o.tolist()
+        dist.barrier()
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_composed_collectives_read_in_queue_order(w2):
+    """No gloo oracle here: gloo runs an async op and the next one on two
+    worker threads, so its result for this program is itself a race (seen:
+    4.0 for both reduce_scatters, the mix of a stale and a fresh read).
+    streamcoll promises issue order on the CPU (a call goes behind the
+    queued async work), so the composed ones must give what the native
+    reduce_scatter_tensor gives in the same run."""
+    sc = w2.run(_reads_in_queue_order, "streamcoll", free_port(), timeout=60)
+    for r in range(2):
+        assert sc[r]["reduce_scatter"] == sc[r]["reduce_scatter_tensor"] == [6.0] * 4, sc
+        assert sc[r]["scatter"] == [3.0] * 4, sc
+
+
+def _barrier_timeout(comm, backend: str, port: int):
+    """Issue 21, finding 6: rank 1 reaches the barrier 3 s late; rank 0's
+    ``barrier(timeout=1 s)`` must raise after about 1 s."""
+    r, n = comm.rank, comm.size
+    _init(backend, port, r, n)
+    try:
+        dist.all_reduce(torch.ones(1))  # the group's communicator exists: only the barrier waits
+        if r == 1:
+            time.sleep(3.0)
+        t0 = time.monotonic()
+        try:
+            dist.barrier(timeout=timedelta(seconds=1 if r == 0 else 2))
+            res = (None, time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 - compared in the parent
+            res = (type(e).__name__, time.monotonic() - t0, str(e))
+        return res
+    finally:
+        dist.destroy_process_group()
+
+
+def test_barrier_honours_its_timeout_like_gloo(w2):
+    gloo = w2.run(_barrier_timeout, "gloo", free_port(), timeout=60)
+    sc = w2.run(_barrier_timeout, "streamcoll", free_port(), timeout=60)
+    for res in (gloo[0], sc[0]):
+        assert res[0] is not None and 0.9 < res[1] < 2.5, (gloo, sc)
+    assert "barrier" in sc[0][2] and "1 s" in sc[0][2], sc[0]
+    # the late rank's barrier meets rank 0's, which still waits in the communicator
+    assert sc[1][0] is None, sc[1]
+
+
+def test_barrier_uses_opts_device():
+    """``opts.device`` picks the barrier's communicator (a first barrier in a
+    GPU job must not build a CPU/oneCCL one); a device the backend cannot
+    serve is refused, naming it, before any communicator is made."""
+    pg = ProcessGroupStreamcoll(dist.HashStore(), 0, 1, timedelta(seconds=5))
+    opts = dist.BarrierOptions()
+    opts.device = torch.device("meta")
+    with pytest.raises(ValueError, match="meta"):
+        pg.barrier(opts)
+    assert pg._comms == {}
+
+
+@pytest.mark.cuda
+def test_first_barrier_in_a_gpu_job_uses_the_gpu():
+    dist.init_process_group("streamcoll", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dist.barrier()
+        pg = dist.distributed_c10d._get_default_group()
+        assert list(pg._comms) == ["cuda"]
+        dist.barrier(timeout=timedelta(seconds=5))
+    finally:
+        dist.destroy_process_group()
+
+
+def _after_abort(comm, backend: str, port: int):
+    """Issue 21, finding 8: after ``abort()`` the group stays failed: the next
+    collective raises at once instead of building new communicators (and,
+    with the peer gone, blocking for the group's timeout)."""
+    r, n = comm.rank, comm.size
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=n,
+                            timeout=timedelta(seconds=8))
+    pg = dist.distributed_c10d._get_default_group()
+    try:
+        dist.all_reduce(torch.ones(2))
+        dist.barrier()
+        pg.abort()
+        if r == 1:
+            return None  # the peer is gone for the group: it issues nothing more
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(2))
+            return (None, time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 - compared in the parent
+            return (type(e).__name__, time.monotonic() - t0, str(e))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_aborted_group_stays_failed(w2):
+    gloo = w2.run(_after_abort, "gloo", free_port(), timeout=60)
+    sc = w2.run(_after_abort, "streamcoll", free_port(), timeout=60)
+    assert gloo[0][0] is not None and gloo[0][1] < 1.0, gloo  # gloo raises at once too
+    kind, took, msg = sc[0]
+    assert kind == "CommunicatorError" and took < 1.0, sc
+    assert "abort" in msg, msg
+
+
+def _single_tensor_overloads(comm, backend: str, port: int):
+    """Issue 21, finding 9: the ProcessGroup overloads torch's C++ API has
+    besides the list-and-options ones: ``allreduce(tensor, op)``,
+    ``broadcast(tensor, root)``, ``reduce(tensor, root, op)``."""
+    r, n = comm.rank, comm.size
+    _init(backend, port, r, n)
+    pg = dist.distributed_c10d._get_default_group()
+    try:
+        out = {}
+        t = torch.full((2,), float(r + 1))
+        pg.allreduce(t).wait()
+        out["allreduce"] = t.tolist()
+        t = torch.full((2,), float(r + 1))
+        pg.allreduce(t, dist.ReduceOp.MAX).wait()
+        out["allreduce_max"] = t.tolist()
+        t = torch.full((2,), float(r + 1))
+        pg.allreduce([t], dist.ReduceOp.MIN).wait()
+        out["allreduce_list_op"] = t.tolist()
+        t = torch.full((2,), float(r + 5))
+        pg.broadcast(t, 1).wait()
+        out["broadcast"] = t.tolist()
+        t = torch.full((2,), float(r + 1))
+        pg.reduce(t, 0, dist.ReduceOp.SUM).wait()
+        out["reduce"] = t.tolist() if r == 0 else None
+        dist.barrier()
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def _torch_premul_sum(comm, port: int):
+    """torch's ``_make_nccl_premul_sum`` (what FSDP2's
+    ``set_gradient_divide_factor`` passes to reduce_scatter_tensor)."""
+    r, n = comm.rank, comm.size
+    _init("streamcoll", port, r, n)
+    try:
+        t = torch.full((2,), float(r + 1))
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+        o = torch.empty(2)
+        dist.reduce_scatter_tensor(o, torch.full((2 * n,), float(r + 1)), op=dist._make_nccl_premul_sum(0.25))
+        return t.tolist(), o.tolist()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_single_tensor_overloads_like_gloo(w2):
+    gloo = w2.run(_single_tensor_overloads, "gloo", free_port(), timeout=60)
+    sc = w2.run(_single_tensor_overloads, "streamcoll", free_port(), timeout=60)
+    assert sc == gloo
+    assert sc[0] == {"allreduce": [3.0] * 2, "allreduce_max": [2.0] * 2, "allreduce_list_op": [1.0] * 2,
+                     "broadcast": [6.0] * 2, "reduce": [3.0] * 2}
+
+
+def test_torch_premul_sum_is_accepted(w2):
+    """gloo has no PREMUL_SUM; the reference is the definition (sum of factor * x)."""
+    for t, o in w2.run(_torch_premul_sum, free_port(), timeout=60):
+        assert t == [1.5, 1.5] and o == [0.75, 0.75]
+
+
+def _fsdp2_grads(comm, backend: str, port: int, factor):
+    """FSDP2 (``fully_shard``) gradients of one backward; ``factor``:
+    ``set_gradient_divide_factor`` (its reduce-scatter then takes torch's
+    ``_make_nccl_premul_sum(1 / factor)``), None: FSDP2's default AVG."""
+    from torch.distributed.fsdp import fully_shard
+
+    r, n = comm.rank, comm.size
+    _init(backend, port, r, n)
+    try:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        fully_shard(m)
+        if factor is not None:
+            m.set_gradient_divide_factor(factor)
+        m(torch.full((3, 8), float(r + 1))).sum().backward()
+        return [p.grad.full_tensor().clone() for p in m.parameters()]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_gradient_divide_factor(w2):
+    """Dividing by 2 x world size gives half of FSDP2's default average on
+    gloo (which has no PREMUL_SUM to run the factor itself)."""
+    gloo = w2.run(_fsdp2_grads, "gloo", free_port(), None, timeout=60)
+    sc = w2.run(_fsdp2_grads, "streamcoll", free_port(), 4.0, timeout=60)
+    for r in range(2):
+        for a, b in zip(sc[r], gloo[r]):
+            torch.testing.assert_close(a, b * 0.5)
+
+
+@pytest.mark.cuda
+def test_composed_collective_reads_on_the_comm_stream():
+    """Issue 21, finding 5 (GPU half): an async list reduce_scatter issued
+    behind an async all_reduce of the same buffer packs its inputs on the
+    comm stream, after the all_reduce (premul_sum(2): its post-op doubles
+    ``t`` there), not on the current stream when planned. The comm stream
+    is held back by a sleep so the early read, if any, sees the old value."""
+    import streamcoll
+    dist.init_process_group("streamcoll", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        t = torch.ones(1 << 16, device="cuda")
+        c = pg.communicator(t.device)
+        with torch.cuda.stream(c.comm_stream()):
+            torch.cuda._sleep(200_000_000)
+        w1 = c.all_reduce(t, streamcoll.premul_sum(2.0), async_op=True)
+        o = torch.empty_like(t)
+        w2 = c.reduce_scatter(o, [t], async_op=True)
+        w1.wait()
+        w2.wait()
+        assert o.unique().tolist() == [2.0]
+    finally:
+        dist.destroy_process_group()
