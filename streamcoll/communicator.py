@@ -325,6 +325,7 @@ class Communicator(CollectiveMethods):
         # posted p2p ops not launched yet: (plan, PostedWork), all under one current-stream key
         self._posted: List[tuple] = []
         self._posted_key: Any = None
+        self._posted_stream: Any = None  # the stream the posted ops were posted under (GPU: what their lane serves)
         self._post_lock = threading.Lock()
         self._pre_hooks: List[Callable[[LaunchRecord], Any]] = []
         self._rc_hooks: List[Callable[[str, int], bool]] = []
@@ -716,13 +717,18 @@ class Communicator(CollectiveMethods):
         posted under another current stream (GPU) first launch the ones
         posted before, so each group's comm stream waits on the stream its
         ops were posted under."""
-        key = self._rt.current_key()
+        rt = self._rt
+        key = rt.current_key()
         if self._posted and key != self._posted_key:
             self._flush_posted()
         w = PostedWork(self, name, plan.outputs)
         with self._post_lock:
             first = not self._posted
             self._posted.append((plan, w))
+            if first or self._posted_stream is None:
+                # the stream the ops are posted under, kept now: a lane made at
+                # flush time (maybe from another stream) must wait on this one
+                self._posted_stream = rt.current_stream()
             self._posted_key = key
         if first:
             self._posting_changed()
@@ -757,16 +763,16 @@ class Communicator(CollectiveMethods):
         caller may be an unrelated collective)."""
         with self._post_lock:
             posted, self._posted = self._posted, []
-            key = self._posted_key
+            key, current, self._posted_stream = self._posted_key, self._posted_stream, None
         if not posted:
             return
         self._posting_changed()
         try:
             if len(posted) == 1:
                 plan, w = posted[0]
-                work = self._launch_async(w.op, plan, key)
+                work = self._launch_async(w.op, plan, key, current)
             else:
-                work = self._launch_async(_flight.P2P_GROUP, self._group_plan([p for p, _ in posted]), key)
+                work = self._launch_async(_flight.P2P_GROUP, self._group_plan([p for p, _ in posted]), key, current)
         except BaseException as e:  # noqa: BLE001 - handed to the Works, raised by their wait()
             for _, w in posted:
                 w._exc = e
@@ -842,9 +848,10 @@ class Communicator(CollectiveMethods):
         if plan.post is not None:
             plan.post()
 
-    def _launch_async(self, name: str, plan: Plan, key: Any = None) -> Work:
+    def _launch_async(self, name: str, plan: Plan, key: Any = None, current: Any = None) -> Work:
         """Queue ``plan`` on the comm stream serving ``key`` (default: the
-        caller's current stream) and return its Work."""
+        caller's current stream; ``current``: that stream, where the caller's
+        current one is another: posted ops launched later) and return its Work."""
         if not self._usable:
             self._check_usable()  # every launcher: posted ops flushed after a failure are not launched
         rt = self._rt
@@ -858,7 +865,7 @@ class Communicator(CollectiveMethods):
             key = rt.current_key()
         lane = self._lanes.get(key)
         if lane is None:
-            lane = self._lanes[key] = rt.new_lane(key)
+            lane = self._lanes[key] = rt.new_lane(key, current)
         lock = rt.exec_lock
         lock.acquire()
         try:

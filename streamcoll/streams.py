@@ -75,6 +75,11 @@ class Runtime:
         """Native handle of the caller's current stream for the C call."""
         raise NotImplementedError
 
+    def current_stream(self) -> Any:
+        """The caller's current stream as :meth:`new_lane` takes it (what a
+        lane made later, from another stream, must still serve)."""
+        return self.current_key()
+
     def stream_handle(self, stream: Any) -> Any:
         raise NotImplementedError
 
@@ -362,6 +367,9 @@ class _TorchGpuRuntime(Runtime):
     def __init__(self, device: torch.device, native) -> None:
         super().__init__(device, native)
         self.index = device.index if device.index is not None else self.mod.current_device()
+
+    def current_stream(self) -> Any:
+        return self.mod.current_stream(self.index)
 
     def new_lane(self, key, current: Any = None) -> Lane:
         """A comm stream serving ``current`` (default: the caller's current stream)."""

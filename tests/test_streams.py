@@ -191,3 +191,45 @@ def test_async_results_survive_dropped_tensors(world2, record_stream):
 
 def test_stream_argument_and_comm_stream(world2):
     assert world2.run(w_stream_argument_and_comm_stream) == [True, True]
+
+
+def w_posted_lane_serves_the_posting_stream(comm):
+    """Issue 27 (1): posted p2p ops launched later, from another current
+    stream, get a lane that serves the stream they were *posted* under. On
+    the GPU the lane's "inputs ready" event is recorded on that stream; before,
+    ``new_lane`` took whatever stream was current at flush time, so the send
+    could read its input before the posting stream's producer finished. On
+    the CPU the current "stream" is the thread: the op is posted on one
+    thread and launched by a wait on another, and the lane is built from the
+    posting thread's stream (recorded here: the CPU lane is the same either way)."""
+    seen = []
+    real = comm._rt.new_lane
+
+    def recording(key, current=None):
+        seen.append((key, current))
+        return real(key, current)
+
+    comm._rt.new_lane = recording
+    try:
+        peer = 1 - comm.rank
+        x = torch.full((4,), float(comm.rank + 1))
+        box = {}
+
+        def post():
+            box["key"] = comm._rt.current_key()
+            box["w"] = comm.isend(x, peer) if comm.rank == 0 else comm.irecv(x, peer)
+
+        th = threading.Thread(target=post)
+        th.start()
+        th.join(30)
+        box["w"].wait()  # launched from this thread, another current stream
+        assert x.tolist() == [1.0] * 4
+        posted = [c for k, c in seen if k == box["key"]]
+        assert posted == [box["key"]], (seen, box["key"])  # the posting stream, not None (flush-time current)
+    finally:
+        del comm._rt.new_lane
+    return True
+
+
+def test_posted_ops_lane_serves_the_stream_they_were_posted_under(world2):
+    assert world2.run(w_posted_lane_serves_the_posting_stream, timeout=60) == [True, True]
