@@ -126,6 +126,9 @@ class Backend:
         # oneCCL's Reduce writes the receive buffer on every rank: non-roots
         # pass a scratch one (NCCL only writes it on the root).
         self.nonroot_recv_scratch = name == "oneccl"
+        # Whether abort() can end a native communicator (NCCL's ncclCommAbort;
+        # oneCCL 2022.2 declares onecclCommAbort not implemented).
+        self.can_abort = "abort" in self.funcs
 
     def lib(self):
         return self.binding.lib()

@@ -209,6 +209,11 @@ class HookHandle:
 
 
 _LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+# How long abort() and destroy() wait for another thread's launch on the same
+# communicator to finish its C call before freeing the native communicator
+# (a host call stuck inside the library is what abort() is for: it goes on).
+ABORT_LOCK_WAIT_S = 2.0
 _BY_ID: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
 _IDS = itertools.count(1)
 
@@ -595,11 +600,19 @@ class Communicator(CollectiveMethods):
                 op, seq, shapes = "destroy", self._seq, []
             raise handle_timeout(self, op, seq, t, shapes,
                                  "destroy: queued asynchronous work did not finish; native communicator left allocated")
-        handle, self._handle = self._handle, None
-        self._refresh_fast_paths()
-        self._lanes.clear()
-        if self._sync_events is not None:
-            self._sync_events.close()
+        lock = self._rt.exec_lock  # not under another thread's launch or the watchdog's query
+        if not lock.acquire(timeout=ABORT_LOCK_WAIT_S):
+            log.warning("streamcoll: destroy(%s): another thread is inside a call on it; the native communicator "
+                        "is left allocated (freeing it under that call would crash)", self.name)
+            return
+        try:
+            handle, self._handle = self._handle, None
+            self._refresh_fast_paths()
+            self._lanes.clear()
+            if self._sync_events is not None:
+                self._sync_events.close()
+        finally:
+            lock.release()
         if handle is not None:
             self._backend.destroy(handle, finalize=False)
 
@@ -621,14 +634,31 @@ class Communicator(CollectiveMethods):
         if self._forked or os.getpid() != self._pid:
             return False  # the native communicator is the parent's
         busy = self._in_library()
-        ok = self._backend.abort(self._handle)
-        if ok:
-            self._handle = None
-            self._destroyed = True
-            self._refresh_fast_paths()
-            if self._sync_events is not None:
-                self._sync_events.close()
-        elif busy:
+        if not self._backend.can_abort:
+            ok = False
+        else:
+            # Not under another thread's launch: launchers hold the exec lock
+            # from reading the handle to the end of the C call (and the sync
+            # event's record), the watchdog while it queries the handle. A
+            # host call stuck inside NCCL (a blocking communicator) is what an
+            # abort is for: after ABORT_LOCK_WAIT_S it aborts without the lock,
+            # as ncclCommAbort allows from another thread.
+            lock = self._rt.exec_lock
+            got = lock.acquire(timeout=ABORT_LOCK_WAIT_S)
+            try:
+                if self._handle is None:
+                    return False  # another thread aborted it meanwhile
+                ok = self._backend.abort(self._handle)
+                if ok:
+                    self._handle = None
+                    self._destroyed = True
+                    self._refresh_fast_paths()
+                    if self._sync_events is not None:
+                        self._sync_events.close()
+            finally:
+                if got:
+                    lock.release()
+        if not ok and busy:
             from .watchdog import skip_native_teardown
             skip_native_teardown()
         return ok

@@ -63,7 +63,10 @@ class Runtime:
         # Held while a call is issued (sequence number + C launch, or + queueing
         # on the CPU comm thread): one issuer at a time, so sequence order is
         # issue order (see streamcoll.launch).
-        self.exec_lock = threading.Lock()
+        # Re-entrant: abort() and destroy() take it too (they must not free the
+        # native communicator under another thread's launch, issue 27 (9)),
+        # and a launch's own rc hook may abort (non-blocking NCCL).
+        self.exec_lock = threading.RLock()
         self._null = native(None)
 
     # current stream ----------------------------------------------------

@@ -372,13 +372,25 @@ def _nccl_async_error(comm: Any) -> Optional[BaseException]:
         return None
     ffi, lib = b.ffi, b.lib()
     state = ffi.new("ncclResult_t *")
-    rc = lib.ncclCommGetAsyncError(comm._handle, state)
+    # Under the communicator's exec lock, which abort() and destroy() take
+    # before freeing the handle (issue 27 (9)); a launch holding it now (or
+    # a host call stuck in NCCL) only skips this pass.
+    lock = comm._rt.exec_lock
+    if not lock.acquire(blocking=False):
+        return None
+    try:
+        h = comm._handle
+        if h is None or comm.failure is not None:
+            return None
+        rc = lib.ncclCommGetAsyncError(h, state)
+    finally:
+        lock.release()
     if rc:
-        return b.binding.error("ncclCommGetAsyncError", rc, comm._handle)
+        return b.binding.error("ncclCommGetAsyncError", rc, h)
     s = int(state[0])
     if s == 0 or s == b.binding.const("ncclInProgress"):
         return None
-    return b.binding.error("asynchronous error (ncclCommGetAsyncError)", s, comm._handle)
+    return b.binding.error("asynchronous error (ncclCommGetAsyncError)", s, h)
 
 
 def watched(comm: Any, fr: Any, last: int) -> List[Any]:

@@ -544,3 +544,50 @@ def test_process_group_coalesced_ops_go_out_as_one_group():
         assert nseq == 2, res  # two group launches
         assert a == [3.0] * 2 and b == [3.0] * 3, res
         assert outs == [[float(k) for k in range(n) for _ in range(2)], [float(k) for k in range(n)]], res
+
+
+_DESTROY_UNDER_LAUNCH = r"""
+import sys, threading, time
+import torch, torch.distributed as dist
+import streamcoll
+errs, calls = [], [0]
+for rnd in range(8):
+    c = streamcoll.new_communicator(backend="oneccl", device="cpu", rank=0, world_size=1,
+                                    store=dist.HashStore(), name=f"stress{rnd}")
+    x = torch.ones(1 << 14)
+    stop = threading.Event()
+
+    def hammer():
+        try:
+            while not stop.is_set():
+                c.all_reduce(x)
+                calls[0] += 1
+        except streamcoll.CommunicatorError as e:
+            errs.append(("refused", str(e)[:60]))
+        except BaseException as e:
+            errs.append(("other", f"{type(e).__name__}: {e}"[:200]))
+    t = threading.Thread(target=hammer)
+    t.start()
+    time.sleep(0.02)
+    c.destroy()
+    stop.set()
+    t.join(10)
+bad = [e for e in errs if e[0] != "refused"]
+print("calls", calls[0], "refused", sum(e[0] == "refused" for e in errs), "bad", bad)
+sys.exit(1 if bad else 0)
+"""
+
+
+def test_destroy_while_another_thread_launches():
+    """Issue 27 (9): destroy() (and abort() where the library can) take the
+    exec lock that every launch holds from reading the handle to the end of
+    its C call, so another thread's fast-path call never runs on a freed
+    native communicator: it finishes first, and the next one is refused with
+    CommunicatorError. Before, the native communicator was freed under the
+    running call (seen: a crash with a native backtrace in 20 of 20 rounds'
+    worth of runs)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+    p = subprocess.run([sys.executable, "-c", _DESTROY_UNDER_LAUNCH], capture_output=True, text=True, timeout=240,
+                       env=env)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert "bad []" in p.stdout and "refused 8" in p.stdout, p.stdout
