@@ -22,7 +22,7 @@ import torch
 
 from .backends import resolve
 from .communicator import Communicator, _seconds
-from . import env, topology
+from . import env, launchers, topology
 from .env_vars import read_int
 from .errors import BackendUnavailableError, CommunicatorError, RendezvousError, UsageError
 
@@ -194,7 +194,7 @@ def _check_world_size(world_size: int) -> None:
         return
     env = read_int("WORLD_SIZE")
     if env is not None and env != world_size:
-        who = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "the launcher"
+        who = launchers.who_set("WORLD_SIZE")
         raise ValueError(f"world_size: {world_size} disagrees with WORLD_SIZE={env} (set by {who}); the env:// "
                          "rendezvous meets WORLD_SIZE ranks. Leave world_size unset, or pass store= for a "
                          "communicator over other ranks")
@@ -271,13 +271,16 @@ def new_communicator(
     """Create a Communicator over ``world_size`` ranks (collective: every
     rank calls it with the same arguments in the same order).
 
-    ``rank``/``world_size`` default to RANK/WORLD_SIZE (torchrun sets them);
+    ``rank``/``world_size`` default to RANK/WORLD_SIZE (torchrun sets them;
+    under srun or mpiexec :mod:`streamcoll.launchers` sets them from theirs);
     ``device`` defaults to ``cuda:LOCAL_RANK`` where CUDA is available, else
     cpu; ``backend`` defaults by device (cpu, xpu: oneccl; cuda: nccl).
     ``store`` is any torch.distributed Store; by default the one
     torch.distributed was initialised with, else the env:// rendezvous.
     """
     t = _seconds(timeout)
+    if store is None or rank is None or world_size is None:  # srun, mpiexec: torchrun's variables from theirs
+        launchers.adopt(rendezvous=store is None)
     if rank is None:
         rank = read_int("RANK", 0)
     if world_size is None:
