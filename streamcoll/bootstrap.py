@@ -287,12 +287,12 @@ def new_communicator(
         world_size = read_int("WORLD_SIZE", 1)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
+    if store is None:  # before the rank's check: every rank of a launcher's world says the same
+        _check_world_size(world_size)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank: expected an int in [0, {world_size}), got {rank!r}")
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend: expected 'nccl', 'oneccl' or None, got {backend!r}")
-    if store is None:
-        _check_world_size(world_size)
     local_rank = read_int("LOCAL_RANK", rank) or 0
     if device is None:
         device = _default_device(backend.lower() if backend else None, local_rank)
