@@ -249,12 +249,23 @@ def _slurm_rendezvous(env: Mapping[str, str]) -> Tuple[Optional[str], Optional[s
     return addr, port, "; ".join(hows)
 
 
+_MPI4PY_ERROR = ""
+
+
 def _mpi4py() -> Any:
-    """mpi4py's MPI module, or None where mpi4py is not importable."""
+    """mpi4py's MPI module, or None where mpi4py is not importable (or its
+    MPI does not load: why is kept for the error message). It must load
+    before oneCCL: both need libfabric, and the MPICH wheel's libmpi needs a
+    newer one than a system libfabric oneCCL may have loaded first."""
+    global _MPI4PY_ERROR
     import importlib.util
     if importlib.util.find_spec("mpi4py") is None:
         return None
-    from mpi4py import MPI
+    try:
+        from mpi4py import MPI
+    except Exception as e:  # ImportError (a library's symbols), RuntimeError (MPI_Init)
+        _MPI4PY_ERROR = f"mpi4py is installed but its MPI did not load: {type(e).__name__}: {e}"
+        return None
     return MPI
 
 
@@ -296,7 +307,8 @@ def _mpi_rendezvous(launch: Launch, env: Mapping[str, str]) -> Launch:
         raise RendezvousError(
             f"{launch.describe()}: no way to find {missing}. Set MASTER_ADDR (rank 0's host, reachable from every "
             f"rank) and MASTER_PORT (and WORLD_SIZE where the launcher sets no size) on every rank, or make mpi4py "
-            f"importable (pip install mpi4py) so that rank 0 broadcasts its address and a free port",
+            f"importable (pip install mpi4py) so that rank 0 broadcasts its address and a free port"
+            + (f" ({_MPI4PY_ERROR})" if _MPI4PY_ERROR else ""),
             [], addr or "", -1, -1 if launch.world_size is None else launch.world_size)
     comm = MPI.COMM_WORLD
     size, mrank = comm.Get_size(), comm.Get_rank()
