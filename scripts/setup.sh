@@ -83,7 +83,9 @@ fi
 
 # 5. streamcoll itself (editable).
 here="$(pwd)"
-if ! (cd / && "$PY" -c "import streamcoll, os, sys; sys.exit(0 if os.path.samefile(os.path.dirname(streamcoll.__file__), sys.argv[1]) else 1)" "$here/streamcoll") 2>/dev/null; then
+# Re-installed also where the install predates setup.cfg's torch.backends entry
+# point (it lives in the install's metadata, not in the checkout).
+if ! (cd / && "$PY" -c "import streamcoll, os, sys; from importlib.metadata import entry_points; sys.exit(0 if os.path.samefile(os.path.dirname(streamcoll.__file__), sys.argv[1]) and any(e.name == 'streamcoll' for e in entry_points(group='torch.backends')) else 1)" "$here/streamcoll") 2>/dev/null; then
   say "pip install -e . (streamcoll)"
   "$PY" -m pip install -q --no-deps --no-build-isolation -e .
 fi

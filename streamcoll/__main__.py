@@ -121,6 +121,7 @@ def info(out: Optional[TextIO] = None) -> int:
         _library_report(binding, out)
         w("\n")
 
+    _launcher_report(out)
     from .env_vars import TABLE
     w("environment (streamcoll/env_vars.py says what each does):\n")
     for var in TABLE:
@@ -143,6 +144,33 @@ def info(out: Optional[TextIO] = None) -> int:
     if env._enabled():
         _several_hosts_report(out)
     return 0
+
+
+def _launcher_report(out: TextIO) -> None:
+    """The launcher streamcoll detects (streamcoll/launchers.py), with what
+    it says; the rendezvous is found when a communicator is made."""
+    from . import launchers
+
+    w = out.write
+    try:
+        launch = launchers.current()
+    except ValueError as e:  # a malformed launcher variable: report, exit 0
+        w(f"launcher: ERROR {e}\n\n")
+        return
+    if launch is None:
+        w("launcher: none detected (a plain process: rank 0 of 1 unless RANK/WORLD_SIZE are set)\n\n")
+        return
+    w(f"launcher: {launch.launcher}\n  {launch.describe()}\n")
+    la = next(la for la in launchers.TABLE if la.name == launch.launcher)
+    w(f"  rendezvous: {_rendezvous_way(la.rendezvous)}\n\n")
+
+
+def _rendezvous_way(kind: str) -> str:
+    return {"env": "MASTER_ADDR/MASTER_PORT (as torchrun)",
+            "slurm": "MASTER_ADDR/MASTER_PORT where set, else the first host of the step's nodelist and a port "
+                     "from the job and step id",
+            "mpi": "MASTER_ADDR/MASTER_PORT where set, else mpi4py (rank 0 broadcasts its address and a free "
+                   "port)"}[kind]
 
 
 def _several_hosts_report(out: TextIO) -> None:

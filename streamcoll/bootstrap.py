@@ -22,7 +22,7 @@ import torch
 
 from .backends import resolve
 from .communicator import Communicator, _seconds
-from . import env, shm_regions, topology
+from . import env, launchers, shm_regions, topology
 from .env_vars import read_int
 from .errors import BackendUnavailableError, CommunicatorError, RendezvousError, UsageError
 
@@ -211,7 +211,7 @@ def _check_world_size(world_size: int) -> None:
         return
     env = read_int("WORLD_SIZE")
     if env is not None and env != world_size:
-        who = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "the launcher"
+        who = launchers.who_set("WORLD_SIZE")
         raise ValueError(f"world_size: {world_size} disagrees with WORLD_SIZE={env} (set by {who}); the env:// "
                          "rendezvous meets WORLD_SIZE ranks. Leave world_size unset, or pass store= for a "
                          "communicator over other ranks")
@@ -288,25 +288,29 @@ def new_communicator(
     """Create a Communicator over ``world_size`` ranks (collective: every
     rank calls it with the same arguments in the same order).
 
-    ``rank``/``world_size`` default to RANK/WORLD_SIZE (torchrun sets them);
+    ``rank``/``world_size`` default to RANK/WORLD_SIZE (torchrun sets them;
+    under srun or mpiexec :mod:`streamcoll.launchers` sets them from theirs);
     ``device`` defaults to ``cuda:LOCAL_RANK`` where CUDA is available, else
     cpu; ``backend`` defaults by device (cpu, xpu: oneccl; cuda: nccl).
     ``store`` is any torch.distributed Store; by default the one
     torch.distributed was initialised with, else the env:// rendezvous.
     """
     t = _seconds(timeout)
+    if store is None or rank is None or world_size is None:  # srun, mpiexec: torchrun's variables from theirs
+        launchers.adopt(rendezvous=store is None)
     if rank is None:
         rank = read_int("RANK", 0)
     if world_size is None:
         world_size = read_int("WORLD_SIZE", 1)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
+    if store is None:  # before the rank's check: every rank of a launcher's world says the same
+        _check_world_size(world_size)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank: expected an int in [0, {world_size}), got {rank!r}")
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend: expected 'nccl', 'oneccl' or None, got {backend!r}")
-    if store is None:
-        _check_world_size(world_size)
+
     def local_rank() -> int:  # read only where a device index is needed: a call that names one does not parse it
         return read_int("LOCAL_RANK", rank) or 0
 
