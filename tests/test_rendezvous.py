@@ -137,3 +137,30 @@ def test_torchrun_agent_store_and_quiet_stdout(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert sorted(p.stdout.splitlines()) == ["rank 0: [3.0, 3.0, 3.0, 3.0]", "rank 1: [3.0, 3.0, 3.0, 3.0]"], (p.stdout, p.stderr)
     assert "CCL_" not in p.stderr and "frame #" not in p.stderr, p.stderr
+
+
+_KEEPS_TIMEOUT = r"""
+import os, datetime, torch.distributed as dist, streamcoll
+dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(minutes=30))
+store = dist.distributed_c10d._get_default_store()
+before = store.timeout
+c = streamcoll.init(backend="oneccl", device="cpu", timeout=7)
+print("TIMEOUTS", before.total_seconds(), store.timeout.total_seconds(), c.timeout, flush=True)
+streamcoll.destroy()
+dist.destroy_process_group()
+"""
+
+
+def test_init_keeps_the_timeout_of_torchs_store(tmp_path):
+    """Issue 22 finding 9. Before: ``streamcoll.init(timeout=7)`` after
+    ``init_process_group("gloo", timeout=30 min)`` left torch's default store
+    (shared with the other backends, which read their unique ids through it)
+    at 7 s: the communicator's PrefixStore passed ``set_timeout`` through."""
+    env = dict(os.environ)
+    env.update(LOOPBACK_ENV)
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_PORT=str(free_port()))
+    p = subprocess.run([sys.executable, "-c", _KEEPS_TIMEOUT], env=env, capture_output=True, text=True,
+                       timeout=120, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stdout + p.stderr
+    line = [x for x in p.stdout.splitlines() if x.startswith("TIMEOUTS")]
+    assert line == ["TIMEOUTS 1800.0 1800.0 7.0"], p.stdout + p.stderr
