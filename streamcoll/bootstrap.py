@@ -4,7 +4,12 @@ communicator the module-level functions use.
 
 Rendezvous is torch.distributed's (``env://``: TCPStore at MASTER_ADDR,
 MASTER_PORT, or the agent's store under torchrun); after it, NCCL's or
-oneCCL's own bootstrap and networking take over. Nothing home-made.
+oneCCL's own bootstrap and networking take over. What streamcoll adds over
+the store is :func:`rendezvous`: the ranks' facts meet at rank 0, which
+publishes the topology and the unique id in one key, a constant number of
+requests per rank (torch's own pattern for a NCCL group is one request per
+rank; NCCL's bootstrap is a ring among the ranks). Every wait passes its own
+timeout: the caller's store keeps its own.
 """
 from __future__ import annotations
 

@@ -473,6 +473,7 @@ class Topology:
     # -- the world -------------------------------------------------------------
     @property
     def world_size(self) -> int:
+        """Ranks of the communicator."""
         return self.layout.world_size
 
     @functools.cached_property
@@ -482,10 +483,12 @@ class Topology:
 
     @functools.cached_property
     def host_index(self) -> int:
+        """Index of this rank's host in :attr:`hosts`."""
         return next(i for i, h in enumerate(self.layout.hosts) if self.rank in h.ranks)
 
     @property
     def single_host(self) -> bool:
+        """All ranks on one host."""
         return len(self.layout.hosts) == 1
 
     @property
@@ -513,18 +516,22 @@ class Topology:
     # -- this rank's host ------------------------------------------------------
     @property
     def host(self) -> Host:
+        """This rank's host."""
         return self.layout.hosts[self.host_index]
 
     @property
     def host_ranks(self) -> List[int]:
+        """The ranks of this rank's host."""
         return list(self.host.ranks)
 
     @property
     def local_rank(self) -> int:
+        """This rank's index among its host's ranks."""
         return self.host.ranks.index(self.rank)
 
     @property
     def local_size(self) -> int:
+        """Ranks on this rank's host."""
         return len(self.host.ranks)
 
     @property
@@ -565,6 +572,8 @@ class Topology:
 
     # -- messages --------------------------------------------------------------
     def describe_rank(self, r: int) -> str:
+        """Rank ``r`` for messages: its host, hostname, and route (this rank)
+        or interface (another rank: its host's)."""
         h = next(i for i, hr in enumerate(self.layout.hosts) if r in hr.ranks)
         host = self.layout.hosts[h]
         if r == self.rank:
@@ -573,6 +582,7 @@ class Topology:
         return f"rank {r}: host {h} ({'/'.join(host.hostnames)}), interface {host.iface or '?'}"
 
     def summary(self) -> str:
+        """One line: ranks, hosts (the first 16), this rank's place."""
         hosts = [run_text(h.ranks).replace("..", "-") for h in self.layout.hosts[:16]]
         more = f"; ... ({len(self.layout.hosts)} hosts)" if len(self.layout.hosts) > 16 else ""
         return (f"{self.world_size} ranks on {len(self.layout.hosts)} host(s) "

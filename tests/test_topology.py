@@ -172,3 +172,27 @@ def test_simulated_hosts_get_a_clean_environment(monkeypatch):
     assert not {"CCL_KVS_IFACE", "NCCL_SOCKET_IFNAME", "FI_PROVIDER", "RANK", "GLOO_SOCKET_IFNAME"} & set(e)
     why = netns.unavailable()
     assert why is None or isinstance(why, str) and why  # a reason to skip with, or nothing
+
+
+def test_fields_added_to_the_dataclasses_travel():
+    """The layout and the facts cross the store generically (from the
+    dataclasses' declarations): a field added to either (issue 20 adds some)
+    comes back without changes to the exchange."""
+    from dataclasses import make_dataclass
+    from typing import Dict, Optional, Tuple
+    Extra = make_dataclass("Extra", [("settings", Dict[str, str], dataclasses.field(default_factory=dict)),
+                                     ("agreed", Tuple[str, ...], ()),
+                                     ("mixed", Optional[Tuple[int, str]], None)],
+                           bases=(topology.Layout,), frozen=True)
+    globals()["Extra"] = Extra  # get_type_hints resolves the bases' annotations in their modules
+    base = topology.compute([_facts(0, "A"), _facts(1, "B", node=1)])
+    x = Extra(base.world_size, base.hosts, base.machine_cores, base.clashes, {"CCL_ATL_SHM": "1"}, ("a", "b"),
+              (3, "x"))
+    import json
+    back = topology.from_plain(Extra, json.loads(json.dumps(topology.to_plain(x))))
+    assert back == x
+    old = topology.to_plain(base)  # a peer that does not know the new fields: their defaults
+    assert topology.from_plain(topology.Layout, dict(old, unknown=1)) == base
+    f = _facts(3, cpus=(0, 1, 2, 3, 8, 10, 11))
+    assert '"cpus":"0..3,8,10..11"' in f.to_json() and RankFacts.from_json(f.to_json()) == f
+    assert topology.parse_runs(topology.run_text((5, 6, 7, 1, -2, -1))) == (5, 6, 7, 1, -2, -1)
