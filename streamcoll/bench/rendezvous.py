@@ -183,9 +183,13 @@ def _rank_body(pattern: str, store: Any, rank: int, n: int, timeout: float, per_
     return out
 
 
-# fork: a spawned process imports torch again, seconds each on a loaded 2-core machine. The
-# parent has no threads of streamcoll's here; torch's own pools start on first use.
-_START = "fork"
+def _context() -> Any:
+    """forkserver with torch preloaded: a spawned process imports torch again
+    (seconds each on a loaded 2-core machine), and plain fork copies a parent
+    whose other threads (a test session's watchdog, loggers) may hold locks."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch.distributed", "streamcoll.bootstrap", __name__])
+    return ctx
 
 
 def _quiet_dns() -> None:
@@ -218,7 +222,7 @@ class Server:
     """A TCPStore server (libuv, torch's default) in a process of its own."""
 
     def __init__(self, timeout: float = 300.0) -> None:
-        ctx: Any = mp.get_context(_START)
+        ctx: Any = _context()
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(child, timeout), daemon=True)
         self._proc.start()
@@ -312,7 +316,7 @@ def simulate(n: int, pattern: str = "streamcoll", procs: int = 4, timeout: float
     ns = ns or f"sim-{os.getpid()}-{next(_RUNS)}/"
     ranks = [r for r in range(n) if r not in set(absent)]
     procs = max(1, min(procs, len(ranks)))
-    ctx: Any = mp.get_context(_START)
+    ctx: Any = _context()
     pipes, children = [], []
     for i in range(procs):
         parent, child = ctx.Pipe()
