@@ -88,7 +88,7 @@ def _would_apply(hosts: int = 1, local_size: int = 1, cpus: Optional[tuple] = No
                                    hostname=f"{me.hostname}-{h}")
 
     facts = [made_up(r) for r in range(hosts * local_size)]
-    topo = topology.Topology(facts, 0)
+    topo = topology.Topology.from_facts(facts, 0)
     out = env.plan(topo, "oneccl", running={})
     out.update(env.plan(topo, "nccl", running={}))
     return out

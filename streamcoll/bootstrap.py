@@ -4,19 +4,27 @@ communicator the module-level functions use.
 
 Rendezvous is torch.distributed's (``env://``: TCPStore at MASTER_ADDR,
 MASTER_PORT, or the agent's store under torchrun); after it, NCCL's or
-oneCCL's own bootstrap and networking take over. Nothing home-made.
+oneCCL's own bootstrap and networking take over. What streamcoll adds over
+the store is :func:`rendezvous`: the ranks' facts meet at rank 0, which
+publishes the topology and the unique id in one key, a constant number of
+requests per rank (torch's own pattern for a NCCL group is one request per
+rank; NCCL's bootstrap is a ring among the ranks). Every wait passes its own
+timeout: the caller's store keeps its own.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
 import socket
 import threading
 import time
+import zlib
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -28,11 +36,14 @@ from .errors import BackendUnavailableError, CommunicatorError, RendezvousError,
 
 log = logging.getLogger("streamcoll.bootstrap")
 
-__all__ = ["init", "new_communicator", "is_initialized", "get_rank", "get_world_size",
-           "destroy", "default_communicator", "is_available"]
+__all__ = ["init", "new_communicator", "rendezvous", "Meeting", "group_topology", "is_initialized", "get_rank",
+           "get_world_size", "destroy", "default_communicator", "is_available"]
 
 _DEFAULT: Optional[Communicator] = None
 _STORE: Any = None
+# The topology of a communicator over the launcher's (torch's) whole world,
+# process rank r = its rank r: what subgroups derive theirs from.
+_WORLD_TOPOLOGY: Optional[topology.Topology] = None
 _LOCK = threading.Lock()
 LOG = logging.getLogger("streamcoll")
 
@@ -197,6 +208,41 @@ def _wait_for_server(addr: str, port: int, rank: int, world_size: int, timeout: 
         pause = min(pause * 2, 0.25)
 
 
+def _world_size() -> Optional[int]:
+    """The world's size: torch.distributed's where initialised, else WORLD_SIZE."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return read_int("WORLD_SIZE")
+
+
+def group_topology(pg: Any) -> Optional[topology.Topology]:
+    """The topology of the torch.distributed group ``pg``'s ranks (as this
+    process's rank in it), derived with no exchange from that of a
+    communicator over the whole world made before (``init()``'s, or the
+    world group's on the streamcoll backend); None for the world group
+    itself, for a group this process is not in, or where none is known."""
+    import torch.distributed as dist
+    try:
+        ranks = dist.get_process_group_ranks(pg)
+        me = dist.get_rank()
+        n = dist.get_world_size()
+    except (RuntimeError, ValueError, KeyError):
+        return None
+    if ranks == list(range(n)) or me not in ranks:
+        return None
+    world = _WORLD_TOPOLOGY
+    if world is None or world.world_size != n or world.rank != me:
+        world = None
+        default = dist.distributed_c10d._get_default_group()
+        for c in getattr(default, "_comms", {}).values():  # ProcessGroupStreamcoll's communicators
+            t = getattr(c, "topology", None)
+            if isinstance(t, topology.Topology) and t.world_size == n and t.rank == me:
+                world = t
+                break
+    return None if world is None else world.subgroup(ranks, ranks.index(me))
+
+
 def _check_world_size(world_size: int) -> None:
     """Without ``store=``, the ranks that meet are the launcher's (torchrun's
     WORLD_SIZE) or torch.distributed's: a different ``world_size`` could only
@@ -217,54 +263,6 @@ def _check_world_size(world_size: int) -> None:
                          "communicator over other ranks")
 
 
-def _wait_all(pstore: Any, keys: List[str], rank: int, world_size: int, timeout: float, cname: str) -> None:
-    """Wait until every rank set its key in ``keys`` (the topology exchange:
-    the first point where all ranks meet), with progress lines, naming the
-    missing ranks, the store and the world sizes at the timeout."""
-    start = time.monotonic()
-    interval = _progress_interval(timeout)
-    next_report = start + interval
-    pause = 0.001
-    # Polled with check(): a store wait() that times out logs a C++ warning each time.
-    while True:
-        try:
-            if pstore.check(keys):
-                break
-            missing: Optional[list] = None
-            err = ""
-        except (RuntimeError, OSError) as e:  # the store went away (its host died)
-            missing, err = None, _first_lines(e)
-        now = time.monotonic()
-        waited = now - start
-        if err or waited >= timeout or now >= next_report:
-            if not err:
-                try:
-                    missing = [r for r in range(world_size) if not pstore.check([keys[r]])]
-                except (RuntimeError, OSError) as e:
-                    err = _first_lines(e)
-                if missing == []:
-                    break
-            addr, port = _reported_address() if "MASTER_PORT" in os.environ else ("", -1)
-            where = f" at {addr}:{port}" if addr else ""
-            env_ws = os.environ.get("WORLD_SIZE")
-            shown = _ranks_text(missing)
-            if err or waited >= timeout:
-                detail = (f"{shown} never joined within {timeout:g} s" if not err
-                          else f"the store stopped answering ({err})")
-                raise RendezvousError(
-                    f"rendezvous of communicator {cname!r} failed on rank {rank}: {detail} "
-                    f"(store{where}; world size {world_size}, WORLD_SIZE={env_ws}). Start every rank with the "
-                    "same MASTER_ADDR/MASTER_PORT and world size, or raise the timeout.",
-                    missing or [], addr, port, world_size, env_ws)
-            log.warning("streamcoll: rank %d waiting for %s to join communicator %r (store%s; world size %d, "
-                        "WORLD_SIZE=%s): %.0f s of %g s", rank, shown, cname, where, world_size, env_ws,
-                        waited, timeout)
-            next_report = now + interval
-        time.sleep(min(pause, max(timeout - waited, 0.0)))
-        pause = min(pause * 2, 0.1)
-    return None
-
-
 def _ranks_text(ranks: Optional[list]) -> str:
     """``rank 1``, ``ranks 1, 2``, ``ranks 0, 1, ... (900 in all)``."""
     if not ranks:
@@ -273,6 +271,306 @@ def _ranks_text(ranks: Optional[list]) -> str:
     if len(ranks) > 16:
         return head + ", ".join(map(str, ranks[:16])) + f", ... ({len(ranks)} in all)"
     return head + ", ".join(map(str, ranks))
+
+
+# ---------------------------------------------------------------- rendezvous
+@dataclass
+class Meeting:
+    """What :func:`rendezvous` gives each rank: its view of the topology,
+    the library's unique id (made by rank 0), the communicator's own
+    namespace in the store (a PrefixStore) and the name messages use."""
+
+    topology: topology.Topology
+    uid: bytes
+    store: Any
+    name: str
+
+
+def _round_key(k: int) -> str:
+    return f"topology/{k}"
+
+
+def _store_failed(e: BaseException) -> bool:
+    """A store call that failed for another reason than its own timeout."""
+    return "timeout" not in str(e).lower() and "timed out" not in str(e).lower()
+
+
+def _missing(store: Any, keys: List[str], ranks: List[int]) -> List[int]:
+    """The ranks whose key in ``keys`` is absent: one ``check`` per 64 keys,
+    then one per key only inside the blocks that are incomplete."""
+    out: List[int] = []
+    for i in range(0, len(keys), 64):
+        block = keys[i:i + 64]
+        if not store.check(block):
+            out.extend(r for r, k in zip(ranks[i:i + 64], block) if not store.check([k]))
+    return out
+
+
+class _Rounds:
+    """Rank 0's announcements under ``topology/1``, ``topology/2``, ...: a
+    status while it waits (who is missing), then the outcome (the layout and
+    the unique id, or the error). The other ranks read them in order, each
+    with a server-side ``wait`` that rank 0's next announcement ends, so a
+    slow rendezvous costs them one wait and one get per progress interval
+    and no client-side timeouts (torch logs a C++ warning for each)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.next = 1
+        self.closed = False
+
+    def publish(self, store: Any, body: dict, final: bool) -> bool:
+        with self.lock:
+            if self.closed:
+                return False
+            k, self.next = self.next, self.next + 1
+            self.closed = final
+            store.set(_round_key(k), zlib.compress(json.dumps(body, separators=(",", ":")).encode()))
+            return True
+
+
+@functools.lru_cache(maxsize=4)
+def _announcement(raw: bytes) -> dict:
+    """One of rank 0's announcements, decoded; the outcome's layout as a
+    (frozen) Layout. Cached by its bytes: ranks simulated as threads of one
+    process (``streamcoll.bench.rendezvous``) decode it once, as one real
+    rank does."""
+    body = json.loads(zlib.decompress(raw))
+    if "topology" in body:
+        body["layout"] = topology.from_plain(topology.Layout, body.pop("topology"))
+        body["uid"] = bytes.fromhex(body["uid"])
+    return body
+
+
+def _published_error(e: BaseException) -> dict:
+    if isinstance(e, RendezvousError):
+        return {"kind": "rendezvous", "message": e.message, "missing": e.missing}
+    kind = "communicator" if isinstance(e, CommunicatorError) else type(e).__name__
+    return {"kind": kind, "message": str(e), "missing": []}
+
+
+def _raise_published(err: dict, rank: int, world_size: int) -> None:
+    addr, port = _store_address() if "MASTER_PORT" in os.environ else ("", -1)
+    msg = f"{err['message']} (reported by rank 0 to every rank; this is rank {rank})"
+    if err["kind"] == "rendezvous":
+        raise RendezvousError(msg, err.get("missing") or [], addr, port, world_size, os.environ.get("WORLD_SIZE"))
+    if err["kind"] != "communicator":
+        msg = f"rank 0 failed to compute the topology: {err['kind']}: {msg}"
+    raise CommunicatorError(msg)
+
+
+class _Lead:
+    """Rank 0's side: wait for every rank's facts in the server, with a
+    reporter thread that, only if the wait outlasts a progress interval,
+    names the missing ranks on a second connection (``store.clone()``), tells
+    the others, and at the timeout publishes the failure and ends the wait."""
+
+    def __init__(self, store: Any, world_size: int, timeout: float, cname: str, rounds: _Rounds,
+                 clone: Callable[[], Any]) -> None:
+        self.store, self.world_size, self.timeout, self.cname = store, world_size, timeout, cname
+        self.clone = clone
+        self.rounds = rounds
+        self.ranks = list(range(1, world_size))
+        self.keys = [topology.exchange_key(r) for r in self.ranks]
+        self.done = threading.Event()
+        self.error: Optional[RendezvousError] = None
+        self.start = time.monotonic()
+
+    def _error(self, missing: List[int], waited: float, err: str = "") -> RendezvousError:
+        addr, port = _store_address() if "MASTER_PORT" in os.environ else ("", -1)
+        where = f" at {addr}:{port}" if addr else ""
+        env_ws = os.environ.get("WORLD_SIZE")
+        detail = (f"the store stopped answering ({err})" if err else
+                  f"{_ranks_text(missing)} never joined within {self.timeout:g} s")
+        return RendezvousError(
+            f"rendezvous of communicator {self.cname!r} failed on rank 0: {detail} (store{where}; world size "
+            f"{self.world_size}, WORLD_SIZE={env_ws}). Start every rank with the same MASTER_ADDR/MASTER_PORT and "
+            "world size, or raise the timeout.", missing, addr, port, self.world_size, env_ws)
+
+    def _report(self) -> None:
+        interval = _progress_interval(self.timeout)
+        side: Any = None
+        keep: Any = None  # the clone under side's prefix, kept alive
+        while not self.done.wait(min(interval, max(self.start + self.timeout - time.monotonic(), 0.0))):
+            try:
+                if side is None:
+                    side, keep = self.clone()
+                missing = _missing(side, self.keys, self.ranks)
+            except Exception as e:  # no second connection: the main wait's own timeout decides
+                log.debug("rendezvous: no second store connection for progress reports (%s)", _first_lines(e))
+                return
+            if not missing or self.done.is_set():
+                return
+            waited = time.monotonic() - self.start
+            if waited >= self.timeout:
+                self.error = self._error(missing, waited)
+                try:
+                    self.rounds.publish(side, {"error": _published_error(self.error)}, final=True)
+                    for k in (topology.exchange_key(r) for r in missing):
+                        side.compare_set(k, "", b"")  # ends the main wait; a rank's own facts win
+                except Exception:
+                    pass
+                return
+            addr, port = _store_address() if "MASTER_PORT" in os.environ else ("", -1)
+            where = f" at {addr}:{port}" if addr else ""
+            log.warning("streamcoll: rank 0 waiting for %s to join communicator %r (store%s; world size %d, "
+                        "WORLD_SIZE=%s): %.0f s of %g s", _ranks_text(missing), self.cname, where,
+                        self.world_size, os.environ.get("WORLD_SIZE"), waited, self.timeout)
+            try:
+                self.rounds.publish(side, {"waiting": topology.run_text(missing), "waited": round(waited, 1)}, final=False)
+            except Exception:
+                pass
+
+    def wait_all(self) -> None:
+        """Return once every rank's facts are in the store, or raise."""
+        if not self.keys:
+            return
+        reporter = threading.Thread(target=self._report, name="streamcoll-rendezvous", daemon=True)
+        reporter.start()
+        try:
+            # One request; the reporter ends it at the timeout, the slack is for a store without clone().
+            self.store.wait(self.keys, timedelta(seconds=self.timeout + _progress_interval(self.timeout)))
+            failure: Optional[BaseException] = None
+        except (RuntimeError, OSError) as e:
+            failure = e
+        finally:
+            self.done.set()
+            reporter.join()
+        if self.error is not None:
+            raise self.error
+        if failure is not None:
+            waited = time.monotonic() - self.start
+            err = _first_lines(failure) if _store_failed(failure) else ""
+            try:
+                missing = [] if err else _missing(self.store, self.keys, self.ranks)
+            except (RuntimeError, OSError) as e:
+                missing, err = [], _first_lines(e)
+            error = self._error(missing, waited, err)
+            if not err:
+                with contextlib.suppress(RuntimeError, OSError):
+                    self.rounds.publish(self.store, {"error": _published_error(error)}, final=True)
+            raise error from None
+
+
+def _follow(store: Any, rank: int, world_size: int, timeout: float, cname: str) -> dict:
+    """A rank other than 0: read rank 0's announcements until the outcome."""
+    start = time.monotonic()
+    addr, port = _store_address() if "MASTER_PORT" in os.environ else ("", -1)
+    where = f" at {addr}:{port}" if addr else ""
+    env_ws = os.environ.get("WORLD_SIZE")
+    k, said = 1, ""
+    while True:
+        remaining = start + timeout - time.monotonic()
+        try:
+            if remaining <= 0:
+                raise RuntimeError("timeout")
+            store.wait([_round_key(k)], timedelta(seconds=remaining))
+            body = _announcement(store.get(_round_key(k)))
+        except (RuntimeError, OSError) as e:
+            failed = _store_failed(e)
+            if failed:
+                last = (f"; it last said it waited for {_ranks_text(list(topology.parse_runs(said)))}"
+                        if said else "")
+                detail = (f"the store stopped answering ({_first_lines(e)}); rank 0, which publishes the topology, "
+                          f"may have died (it hosts the store under env:// without torchrun){last}")
+            elif said:
+                detail = (f"rank 0 still waited for {_ranks_text(list(topology.parse_runs(said)))}, which never "
+                          f"joined within {timeout:g} s")
+            else:
+                detail = (f"rank 0 published nothing within {timeout:g} s: it never reached the rendezvous, or "
+                          "died (look at rank 0's output)")
+            missing = list(topology.parse_runs(said)) if said and not failed else [0]
+            raise RendezvousError(
+                f"rendezvous of communicator {cname!r} failed on rank {rank}: {detail} (store{where}; world size "
+                f"{world_size}, WORLD_SIZE={env_ws}). Start every rank with the same MASTER_ADDR/MASTER_PORT and "
+                "world size, or raise the timeout.", missing, addr, port, world_size, env_ws) from None
+        if "waiting" in body:
+            said = body["waiting"]
+            log.warning("streamcoll: rank %d waiting for %s to join communicator %r (rank 0 says; store%s; world "
+                        "size %d, WORLD_SIZE=%s): %.0f s of %g s", rank, _ranks_text(list(topology.parse_runs(said))), cname,
+                        where, world_size, env_ws, time.monotonic() - start, timeout)
+            k += 1
+            continue
+        if "error" in body:
+            _raise_published(body["error"], rank, world_size)
+        return body
+
+
+def rendezvous(store: Any, rank: int, world_size: int, *, timeout: Union[float, timedelta],
+               facts: Optional[topology.RankFacts] = None,
+               make_uid: Optional[Callable[[topology.Topology, str], bytes]] = None,
+               name: Optional[str] = None, known: Optional[topology.Topology] = None) -> Meeting:
+    """The store part of creating a communicator (collective), in a constant
+    number of store requests per rank: 4 here, whatever ``world_size``
+    (``new_communicator`` adds two keys around the native init).
+
+    1. Every rank adds 1 to ``streamcoll/<name>/made``: the k-th communicator
+       of that name gets the namespace ``streamcoll/<name>/k/`` (numbered
+       through the store, not by a process's own count, which differs
+       between ranks whose processes made different communicators before).
+    2. Every rank but 0 sets its facts (``facts``, default measured here).
+    3. Rank 0 waits for all of them in the server (one ``wait``), reads
+       them (one ``multi_get``), runs :func:`topology.compute` once, calls
+       ``make_uid(its topology, the communicator's name)`` (default: the
+       CPU backend's unique id) and publishes the layout and the id as one key; the others wait
+       for that key and read it. With ``known`` (this group's topology,
+       derived from a parent's) rank 0 still waits for every rank but reads
+       no facts.
+
+    While it waits, rank 0 says every ``timeout/5`` (1 to 30 s) which ranks
+    are missing and tells the others, who say it too; at the timeout every
+    rank raises a :class:`RendezvousError` naming them. An error of rank 0's
+    (the computation, ``make_uid``) is published and raised on every rank. A
+    rank 0 that never comes or dies leaves the others a RendezvousError
+    within the timeout (at once where rank 0 hosted the store).
+    """
+    import torch.distributed as dist
+    t = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    with _LOCK:
+        n = (int(store.add(f"streamcoll/{name or 'comm'}/made", 1)) - 1) // world_size + 1
+    prefix = f"streamcoll/{name or 'comm'}/{n}/"
+    pstore = dist.PrefixStore(prefix, store)
+    cname = name or ("default" if n == 1 else f"comm{n}")
+    me = facts if facts is not None else topology.local_facts(rank, store)
+    if rank != 0:
+        pstore.set(topology.exchange_key(rank), me.to_json())
+        body = _follow(pstore, rank, world_size, t, cname)
+        return Meeting(topology.Topology(body["layout"], rank, me), body["uid"], pstore, cname)
+    rounds = _Rounds()
+    def clone() -> Any:
+        # Cloned below the prefix: a PrefixStore's clone over a store written in Python (a
+        # dist.Store subclass) calls pure virtual functions in torch 2.13. The clone is kept
+        # referenced: a PrefixStore does not keep a Python store's overrides alive.
+        base = store.clone()
+        return dist.PrefixStore(prefix, base), base
+
+    lead = _Lead(pstore, world_size, t, cname, rounds, clone)
+    lead.wait_all()
+    try:
+        if known is not None:
+            if known.world_size != world_size or known.rank != 0:
+                raise ValueError(f"known: a topology of rank 0 of {world_size} ranks expected, got rank "
+                                 f"{known.rank} of {known.world_size}")
+            topo = known
+        else:
+            values = pstore.multi_get(lead.keys) if lead.keys else []
+            everyone = [me] + [topology.RankFacts.from_json(v) for v in values]
+            topo = topology.Topology(topology.compute(everyone), 0, me)
+        uid = bytes((make_uid or _default_uid)(topo, cname))
+    except Exception as e:
+        if world_size > 1:
+            with contextlib.suppress(RuntimeError, OSError):
+                rounds.publish(pstore, {"error": _published_error(e)}, final=True)
+        raise
+    if world_size > 1:
+        rounds.publish(pstore, {"topology": topology.to_plain(topo.layout), "uid": uid.hex()}, final=True)
+    return Meeting(topo, uid, pstore, cname)
+
+
+def _default_uid(topo: topology.Topology, cname: str) -> bytes:
+    b, _ = resolve(None, torch.device("cpu"))
+    with _native_entry(b.name, _settings(b.name, topo)):
+        return bytes(b.unique_id())
 
 
 def new_communicator(
@@ -284,6 +582,8 @@ def new_communicator(
     world_size: Optional[int] = None,
     record_stream: Optional[bool] = None,
     name: Optional[str] = None,
+    *,
+    known_topology: Optional[topology.Topology] = None,
 ) -> Communicator:
     """Create a Communicator over ``world_size`` ranks (collective: every
     rank calls it with the same arguments in the same order).
@@ -294,6 +594,10 @@ def new_communicator(
     cpu; ``backend`` defaults by device (cpu, xpu: oneccl; cuda: nccl).
     ``store`` is any torch.distributed Store; by default the one
     torch.distributed was initialised with, else the env:// rendezvous.
+    Its timeout stays as it is: every wait here passes its own.
+    ``known_topology``: these ranks' topology where already known (a
+    subgroup's, :func:`group_topology`); used on rank 0, which then reads
+    no other rank's facts (the others take rank 0's).
     """
     t = _seconds(timeout)
     if store is None or rank is None or world_size is None:  # srun, mpiexec: torchrun's variables from theirs
@@ -332,43 +636,43 @@ def new_communicator(
     if device.type in ("cuda", "xpu") and device.index is None:
         device = torch.device(device.type, local_rank())
 
+    spans_world = store is None and world_size == _world_size()
     if store is None:
         store = _get_store(rank, world_size, t)
-    import torch.distributed as dist
-    # The communicator's namespace in the store: numbered through the store
-    # itself (every rank adds 1; the k-th communicator of this name gets k),
-    # not by a counter of this process, which differs between ranks whose
-    # processes made different communicators before (a worker pool, a failed
-    # init on one rank) and would put the ranks in different namespaces.
-    with _LOCK:
-        n = (int(store.add(f"streamcoll/{name or 'comm'}/made", 1)) - 1) // world_size + 1
-    prefix = f"streamcoll/{name or 'comm'}/{n}/"
-    pstore = dist.PrefixStore(prefix, store)
-    pstore.set_timeout(timedelta(seconds=t))
 
-    # Which ranks share a host, and the interface reaching the rendezvous:
-    # decides the defaults (topology.py says from what, env.py which values).
-    # The first point where all ranks meet: it waits with progress lines and
-    # names the missing ranks at the timeout (RendezvousError).
-    cname = name or ("default" if n == 1 else f"comm{n}")
-    topo = topology.exchange(pstore, rank, world_size, t,
-                             wait=lambda keys: _wait_all(pstore, keys, rank, world_size, t, cname))
-    if b.name == "oneccl" and topo.name_clashes():  # every rank sees the same facts, so every rank raises
-        raise CommunicatorError(f"init of communicator {cname!r}: {_clash_text(topo)}")
-    conflicts = topo.agreed.conflicts_for(b.name)
-    if conflicts:  # computed from every rank's facts: every rank raises, before the native init
-        raise CommunicatorError(f"init of communicator {cname!r}: {_conflict_text(conflicts)}")
-    settings = _settings(b.name, topo)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    made: Dict[str, Dict[str, str]] = {}
 
-    if rank == 0:
-        with _native_entry(b.name, settings):
-            uid = b.unique_id()
-        pstore.set("uid", uid)  # type: ignore[arg-type]  # torch stores take bytes too
-    else:
-        uid = _wait_uid(pstore, rank, t, topo)
-    advertised = topology.advertised_address(b.name, bytes(uid))
+    def prepare(topo: topology.Topology, cname: str) -> Dict[str, str]:
+        """Before this rank's first library call: what cannot work fails here
+        (every rank sees the same layout, so every rank raises: on rank 0
+        inside the rendezvous, which hands the error to every rank), then the
+        settings for its place (topology.py says from what, env.py which
+        values; the must-agree ones were decided once, on rank 0)."""
+        if b.name == "oneccl" and topo.name_clashes():
+            raise CommunicatorError(f"init of communicator {cname!r}: {_clash_text(topo)}")
+        conflicts = topo.agreed.conflicts_for(b.name)
+        if conflicts:  # computed from every rank's facts: every rank raises, before the native init
+            raise CommunicatorError(f"init of communicator {cname!r}: {_conflict_text(conflicts)}")
+        settings = _settings(b.name, topo)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return settings
+
+    def make_uid(topo: topology.Topology, cname: str) -> bytes:
+        s = made["settings"] = prepare(topo, cname)
+        with _native_entry(b.name, s):
+            return bytes(b.unique_id())
+
+    # The store part (see rendezvous): the first point where all ranks meet;
+    # it waits with progress lines and names the missing ranks at the timeout.
+    m = rendezvous(store, rank, world_size, timeout=t, make_uid=make_uid, name=name,
+                   known=known_topology)
+    topo, uid, pstore, cname = m.topology, m.uid, m.store, m.name
+    settings = made["settings"] if rank == 0 else prepare(topo, cname)
+    if spans_world:
+        global _WORLD_TOPOLOGY
+        _WORLD_TOPOLOGY = topo
+    advertised = topology.advertised_address(b.name, uid)
     problem = topo.loopback_problem(advertised[0] if advertised else None)
     if problem:  # every rank sees the same facts, so every rank raises
         raise CommunicatorError(f"init of communicator {cname!r}: {problem}. {_LOOPBACK_HINT}")
@@ -398,8 +702,8 @@ _LOOPBACK_HINT = ("Set MASTER_ADDR to an address of rank 0's host that the other
 
 
 def _clash_text(topo: "topology.Topology") -> str:
-    pairs = "; ".join(f"ranks {a} and {b} (hostname {topo.facts[a].hostname!r}, pid {topo.facts[a].pid})"
-                      for a, b in topo.name_clashes())
+    pairs = "; ".join(f"ranks {c.first} and {c.second} (hostname {c.hostname!r}, pid {c.pid})"
+                      for c in topo.layout.clashes)
     return (f"{pairs}: same hostname and process id on different hosts. oneCCL 2022.2's key-value store tells "
             f"processes apart by hostname and process id, and its init fails with 'Unregister Barrier request' "
             f"and hangs for such ranks (measured on simulated hosts). Give the hosts distinct hostnames, or start "
@@ -425,21 +729,11 @@ def _settings(backend: str, topo: "topology.Topology") -> Dict[str, str]:
     return settings
 
 
-def _wait_uid(pstore: Any, rank: int, timeout: float, topo: "topology.Topology") -> bytes:
-    try:
-        return pstore.get("uid")
-    except (RuntimeError, OSError) as e:  # DistStoreError: rank 0 went away after the host exchange
-        raise RendezvousError(
-            f"rendezvous failed on rank {rank}: rank 0 ({topo.describe_rank(0)}) did not publish the unique id "
-            f"within {timeout:g} s (it creates it with the library's bootstrap; look at rank 0's error) "
-            f"({_first_lines(e)})", [0], *_reported_address(), len(topo.facts), os.environ.get("WORLD_SIZE")) from None
-
-
 def _init_report(pstore: Any, topo: "topology.Topology", advertised: Optional[tuple]) -> str:
     """For the watchdog when a native init outlives its timeout: who never
     finished init, and the address, port and interface each rank used."""
     lines, stuck, absent = [], [], []
-    for r in range(len(topo.facts)):
+    for r in range(topo.world_size):
         try:
             started = pstore.check([f"init/{r}"])
             used = json.loads(pstore.get(f"init/{r}").decode()) if started else {}

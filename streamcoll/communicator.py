@@ -1051,6 +1051,8 @@ class Communicator(CollectiveMethods):
             self.timeout if timeout is None else timeout, self.record_stream, self._store,
             name=f"{self.name}/split{c}",
         )
+        if self.topology is not None:  # derived from this one's: no store, no exchange
+            child.topology = self.topology.subgroup([r for _, r in members], new_rank)
         if self.nonblocking:
             from .watchdog import make_nonblocking
             make_nonblocking(child)

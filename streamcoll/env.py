@@ -9,7 +9,7 @@ recursive doubling and rank 1 nreduce; rank 0's sums were wrong by up to
 1e28, then rank 1 aborted with "SEND entry failed"); with ``CCL_ATL_SHM`` on
 one host of two and not the other, the other's init fails ("pmrt_kvs_get:
 decode failed"). So these are decided by one pure function of every rank's
-facts (:func:`agree`, run in :class:`~streamcoll.topology.Topology`), never
+facts (:func:`agree`, run in :func:`~streamcoll.topology.compute` on rank 0), never
 from a measurement of the calling rank, and every rank computes the same
 value. A value the user set, or one in effect since the process's first
 oneCCL init (oneCCL reads its variables once per process), travels in the
@@ -213,7 +213,7 @@ def agreed_defaults(topo: "Topology") -> Dict[str, str]:
     left unset, oneCCL's own); the why is in the module docstring. Computed
     from every rank's facts only, so it is the same on every rank."""
     over = topo.world_oversubscribed
-    n = len(topo.facts)
+    n = topo.world_size
     pow2 = n & (n - 1) == 0
     d: Dict[str, str] = {}
     if over:
@@ -261,8 +261,9 @@ def _ranks(rs: Sequence[int]) -> str:
     return head + shown
 
 
-def agree(topo: "Topology") -> Agreed:
-    """Every must-agree variable's value for ``topo``, from all ranks' facts.
+def agree(topo: "Topology", facts: Sequence["RankFacts"]) -> Agreed:
+    """Every must-agree variable's value for ``topo``, from all ranks'
+    ``facts`` (run once, on rank 0, by :func:`streamcoll.topology.compute`).
 
     A rank's value is its bound one (the user's, or in effect since its
     first oneCCL init); a rank without one takes the value in effect on
@@ -270,7 +271,6 @@ def agree(topo: "Topology") -> Agreed:
     change theirs), else streamcoll's default; none where the rank turned
     the defaults off. Values that differ between ranks are a conflict."""
     defaults = agreed_defaults(topo)
-    facts: Sequence["RankFacts"] = topo.facts
     values: Dict[str, Optional[str]] = {}
     conflicts: Dict[str, str] = {}
     for name in MUST_AGREE:

@@ -189,7 +189,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         key = dev.type
         c = self._comms.get(key)
         if c is None:
-            from .bootstrap import new_communicator
+            from .bootstrap import group_topology, new_communicator
             with self._lock:
                 c = self._comms.get(key)
                 if c is None:
@@ -199,7 +199,8 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
                     label = self._group_name if self._group_name is not None else "unnamed"
                     try:
                         c = new_communicator(device=dev, timeout=self._timeout, store=store, rank=self._rank,
-                                             world_size=self._size, name=f"pg{label}-{key}")
+                                             world_size=self._size, name=f"pg{label}-{key}",
+                                             known_topology=group_topology(self))
                     except (dist.DistStoreError, RendezvousError) as e:
                         # the store timing out, or the rendezvous naming the ranks that never came
                         if isinstance(e, dist.DistStoreError) and "imeout" not in str(e):

@@ -39,24 +39,41 @@ loopback key-value store) make init hang. A rank reports instead:
   (the rendezvous works through it), so it becomes oneCCL's key-value store
   and NIC interface and NCCL's socket interface on several hosts; oneCCL's
   own choice is the alphabetically first interface, loopback included.
+
+How the facts meet (``bootstrap.rendezvous``): each rank sends its
+:class:`RankFacts` once; rank 0 alone reads them all, runs :func:`compute`
+(a pure function of the list of every rank's facts) and publishes the
+resulting :class:`Layout` in one key that every other rank reads once. A
+Layout is per host, not per rank (rank ranges, indices of machines and
+network namespaces, hostnames, one route per host, the cores of each machine,
+the clash findings), so what each rank receives grows with the hosts, and no
+rank's CPU list travels past rank 0. Each rank keeps its own facts
+(:attr:`Topology.me`). Layouts and facts cross the store in a generic form
+(:func:`to_plain`/:func:`from_plain`, driven by the dataclasses' field types):
+a field added to :class:`RankFacts` or :class:`Layout` travels without
+changes to the exchange.
 """
 from __future__ import annotations
 
 import array
+import dataclasses
 import fcntl
+import functools
 import ipaddress
 import json
 import os
 import socket
 import struct
-from dataclasses import asdict, dataclass, field
+import typing
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
 
 if TYPE_CHECKING:  # pragma: no cover
     from .env import Agreed
 
-__all__ = ["Route", "RankFacts", "Topology", "host_identity", "route_to", "interface_of",
-           "rendezvous_address", "local_facts", "exchange_key", "core_each"]
+__all__ = ["Route", "RankFacts", "Host", "Clash", "Layout", "Topology", "compute", "to_plain", "from_plain",
+           "run_text", "parse_runs", "host_identity", "route_to", "interface_of", "rendezvous_address",
+           "local_facts", "exchange_key", "core_each"]
 
 
 @dataclass(frozen=True)
@@ -100,17 +117,121 @@ class RankFacts:
     defaults: bool = True                                   # streamcoll applies defaults (env.enabled())
 
     def to_json(self) -> str:
-        d = asdict(self)
-        return json.dumps(d)
+        """Compact JSON (the CPU list as ranges, ``"0..63"``), see :func:`to_plain`."""
+        return json.dumps(to_plain(self), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, s: str) -> "RankFacts":
-        d = json.loads(s)
-        r = d.get("route")
-        d["route"] = Route(**r) if r else None
-        d["cpus"] = tuple(d.get("cpus") or ())
-        d["bound"] = tuple(tuple(b) for b in d.get("bound") or ())
-        return cls(**d)
+    def from_json(cls, s: typing.Union[str, bytes]) -> "RankFacts":
+        return from_plain(cls, json.loads(s))
+
+
+# ---------------------------------------------------- generic serialisation
+def run_text(values: Sequence[int]) -> str:
+    """Ranks or CPUs as text, ``(0, 1, 2, 3, 8)`` -> ``"0..3,8"``, order kept (ascending runs)."""
+    out: List[str] = []
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        out.append(str(values[i]) if i == j else f"{values[i]}..{values[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def parse_runs(text: str) -> Tuple[int, ...]:
+    """The inverse of :func:`run_text`."""
+    out: List[int] = []
+    for part in text.split(",") if text else ():
+        a, sep, b = part.partition("..")
+        out.extend(range(int(a), int(b) + 1) if sep else (int(a),))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> Dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_int_run(hint: Any) -> bool:
+    return typing.get_origin(hint) is tuple and typing.get_args(hint) == (int, Ellipsis)
+
+
+def to_plain(value: Any, hint: Any = None) -> Any:
+    """``value`` as JSON-able data, field by field from the dataclasses'
+    declarations: nested dataclasses become dicts, ``Tuple[int, ...]``
+    fields range text (CPU lists and rank lists are mostly runs), other
+    tuples lists. The inverse is :func:`from_plain`."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        hints = _hints(type(value))
+        return {f.name: to_plain(getattr(value, f.name), hints.get(f.name)) for f in dataclasses.fields(value)}
+    if hint is not None and _is_int_run(hint) and isinstance(value, (tuple, list)):
+        return run_text([int(v) for v in value])
+    if isinstance(value, (tuple, list)):
+        args = typing.get_args(hint) if hint is not None else ()
+        if len(args) == 2 and args[1] is Ellipsis:
+            return [to_plain(v, args[0]) for v in value]
+        if typing.get_origin(hint) is list and args:
+            return [to_plain(v, args[0]) for v in value]
+        if args and len(args) == len(value):
+            return [to_plain(v, a) for v, a in zip(value, args)]
+        return [to_plain(v) for v in value]
+    if isinstance(value, dict):
+        args = typing.get_args(hint) if hint is not None else ()
+        return {str(k): to_plain(v, args[1] if len(args) == 2 else None) for k, v in value.items()}
+    return value
+
+
+def from_plain(hint: Any, data: Any) -> Any:
+    """Rebuild a value of type ``hint`` from :func:`to_plain`'s output.
+    Fields a peer did not send take their defaults; fields this version does
+    not know are ignored. The decoder of each type is built once from its
+    declarations (every rank decodes the whole layout)."""
+    dec = _decoder(hint)
+    return data if dec is None else dec(data)
+
+
+@functools.lru_cache(maxsize=None)
+def _decoder(hint: Any) -> Any:
+    """A function rebuilding ``hint`` from plain data, or None where the
+    plain data is the value (str, int, bool, float, None, Any)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union:
+        inner = [a for a in args if a is not type(None)]
+        one = _decoder(inner[0]) if len(inner) == 1 else None
+        if one is None:
+            return None
+        return lambda data: None if data is None else one(data)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        hints = _hints(hint)
+        names = [f.name for f in dataclasses.fields(hint) if f.init]
+        convert = {n: d for n in names if (d := _decoder(hints.get(n, Any))) is not None}
+        cls = hint
+
+        def dataclass_(data: Any) -> Any:
+            kw = {n: data[n] for n in names if n in data}
+            for n, d in convert.items():
+                if n in kw:
+                    kw[n] = d(kw[n])
+            return cls(**kw)
+        return dataclass_
+    if origin is tuple:
+        if args == (int, Ellipsis):
+            return lambda data: parse_runs(data) if isinstance(data, str) else tuple(int(v) for v in data)
+        if len(args) == 2 and args[1] is Ellipsis:
+            each = _decoder(args[0])
+            return tuple if each is None else (lambda data: tuple(map(each, data)))
+        if args:
+            decs = [_decoder(a) or (lambda v: v) for a in args]
+            return lambda data: tuple(d(v) for d, v in zip(decs, data))
+        return tuple
+    if origin is list:
+        each = _decoder(args[0]) if args else None
+        return list if each is None else (lambda data: list(map(each, data)))
+    if origin is dict:
+        val = _decoder(args[1]) if len(args) == 2 else None
+        return dict if val is None else (lambda data: {k: val(v) for k, v in data.items()})
+    return None
 
 
 def _read(path: str) -> str:
@@ -289,92 +410,152 @@ def core_each(cpusets: Sequence[Sequence[int]]) -> bool:
     return all(place(r, set()) for r in range(len(cpusets)))
 
 
-@dataclass
+@dataclass(frozen=True)
+class Host:
+    """One host of a :class:`Layout`: ranks with the same identity and
+    launcher node (see the module docstring)."""
+
+    ranks: Tuple[int, ...]       # ascending
+    node: Optional[int]          # the launcher's node
+    machine: int                 # index into Layout.machine_cores (same boot id: same machine)
+    network: int                 # index of its network namespace (boot id and namespace)
+    hostnames: Tuple[str, ...]   # distinct, in rank order (usually one)
+    iface: Optional[str]         # its first rank's route's interface (one namespace: one routing table)
+
+
+@dataclass(frozen=True)
+class Clash:
+    """Two ranks on different hosts with the same hostname and process id."""
+
+    first: int
+    second: int
+    hostname: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The computed topology: what :func:`compute` derives from every rank's
+    facts, published once by rank 0. Fields added here travel to every rank
+    unchanged (:func:`to_plain`)."""
+
+    world_size: int
+    hosts: Tuple[Host, ...]              # ordered by first rank
+    machine_cores: Tuple[int, ...]       # per machine: cores its ranks may use together (union of affinities)
+    clashes: Tuple[Clash, ...] = ()
+    # per machine: its ranks cannot have a core each within their CPU sets (core_each)
+    machine_oversubscribed: Tuple[bool, ...] = ()
+    # the must-agree variables (streamcoll.env.agree): the one value of each
+    # (None: unset) and, where ranks' values would differ, the conflict text
+    agreed: Dict[str, Optional[str]] = field(default_factory=dict)
+    conflicts: Dict[str, str] = field(default_factory=dict)
+
+
+def compute(facts: Sequence[RankFacts]) -> Layout:
+    """The :class:`Layout` of ``facts`` (rank ``i``'s at index ``i``): a pure
+    function, run once, on rank 0 (every rank used to run it on every rank's
+    facts). May raise; the rendezvous then hands the error to every rank."""
+    for i, f in enumerate(facts):
+        if f.rank != i:
+            raise ValueError(f"facts: entry {i} holds rank {f.rank}'s facts")
+    groups: Dict[Tuple[str, Optional[int]], List[RankFacts]] = {}
+    for f in facts:
+        groups.setdefault((f.identity, f.node), []).append(f)
+    machines: Dict[str, int] = {}
+    networks: Dict[str, int] = {}
+    cpus: Dict[int, set] = {}
+    hosts = []
+    for members in sorted(groups.values(), key=lambda fs: fs[0].rank):
+        first = members[0]
+        m = machines.setdefault(first.machine, len(machines))
+        for f in members:
+            cpus.setdefault(m, set()).update(f.cpus)
+        names = tuple(dict.fromkeys(f.hostname for f in members))
+        hosts.append(Host(tuple(f.rank for f in members), first.node, m,
+                          networks.setdefault(first.network, len(networks)), names,
+                          first.route.iface if first.route else None))
+    host_of = {r: i for i, h in enumerate(hosts) for r in h.ranks}
+    seen: Dict[Tuple[str, int], int] = {}
+    clashes = []
+    for f in facts:
+        a = seen.setdefault((f.hostname, f.pid), f.rank)
+        if a != f.rank and host_of[a] != host_of[f.rank]:
+            clashes.append(Clash(a, f.rank, f.hostname, f.pid))
+    sets: Dict[int, List[Tuple[int, ...]]] = {}
+    for f in facts:
+        sets.setdefault(machines[f.machine], []).append(f.cpus)
+    layout = Layout(len(facts), tuple(hosts), tuple(max(len(cpus[m]), 1) for m in range(len(machines))),
+                    tuple(clashes), tuple(not core_each(sets[m]) for m in range(len(machines))))
+    # The settings every rank must share, decided here once from every
+    # rank's facts (issue 20): the defaults from the layout, the values each
+    # rank is bound to (the user's, or in effect) from its facts.
+    from .env import agree
+    decided = agree(Topology(layout, 0, facts[0]), facts)
+    return replace(layout, agreed=dict(decided.values), conflicts=dict(decided.conflicts))
+
+
 class Topology:
-    """Every rank's facts and what follows from them; computed from the
-    facts alone, so every rank that has them computes the same."""
+    """One rank's view of a :class:`Layout`: its host, local rank, and what
+    follows for the defaults. ``me`` is this rank's own facts (its route
+    decides the interface); other ranks' facts stay with rank 0."""
 
-    facts: List[RankFacts]
-    rank: int
-    hosts: List[List[int]] = field(init=False)
-    agreed: "Agreed" = field(init=False)   # the must-agree variables' values, or their conflicts
+    def __init__(self, layout: Layout, rank: int, me: RankFacts) -> None:
+        if not 0 <= rank < layout.world_size:
+            raise ValueError(f"rank: expected an int in [0, {layout.world_size}), got {rank!r}")
+        self.layout = layout
+        self.rank = rank
+        self.me = me
 
-    def __post_init__(self) -> None:
-        from .env import agree
-        groups: Dict[Tuple[str, Optional[int]], List[int]] = {}
-        for f in self.facts:
-            groups.setdefault((f.identity, f.node), []).append(f.rank)
-        self.hosts = sorted(groups.values(), key=lambda rs: rs[0])
-        self.agreed = agree(self)
+    @classmethod
+    def from_facts(cls, facts: Sequence[RankFacts], rank: int) -> "Topology":
+        """Rank ``rank``'s view when every rank's facts are at hand."""
+        return cls(compute(facts), rank, facts[rank])
 
-    # -- this rank's host ----------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Topology) and (self.layout, self.rank, self.me)
+                == (other.layout, other.rank, other.me))
+
+    def __repr__(self) -> str:
+        return f"<Topology {self.summary()}>"
+
+    # -- the world -------------------------------------------------------------
     @property
-    def me(self) -> RankFacts:
-        return self.facts[self.rank]
+    def world_size(self) -> int:
+        """Ranks of the communicator."""
+        return self.layout.world_size
 
-    @property
+    @functools.cached_property
+    def hosts(self) -> List[List[int]]:
+        """Each host's ranks, hosts ordered by their first rank."""
+        return [list(h.ranks) for h in self.layout.hosts]
+
+    @functools.cached_property
     def host_index(self) -> int:
-        return next(i for i, h in enumerate(self.hosts) if self.rank in h)
-
-    @property
-    def host_ranks(self) -> List[int]:
-        return self.hosts[self.host_index]
-
-    @property
-    def local_rank(self) -> int:
-        return self.host_ranks.index(self.rank)
-
-    @property
-    def local_size(self) -> int:
-        return len(self.host_ranks)
+        """Index of this rank's host in :attr:`hosts`."""
+        return next(i for i, h in enumerate(self.layout.hosts) if self.rank in h.ranks)
 
     @property
     def single_host(self) -> bool:
-        return len(self.hosts) == 1
+        """All ranks on one host."""
+        return len(self.layout.hosts) == 1
 
     @property
     def one_network(self) -> bool:
         """All ranks in one network namespace of one machine (loopback reaches all)."""
-        return len({f.network for f in self.facts}) == 1
-
-    @property
-    def machine_ranks(self) -> List[int]:
-        """Ranks on this rank's machine (any namespace): they share its cores."""
-        return [f.rank for f in self.facts if f.machine == self.me.machine]
-
-    @property
-    def machine_cores(self) -> int:
-        """Cores the ranks on this machine may run on together (union of affinities)."""
-        cpus: set = set()
-        for r in self.machine_ranks:
-            cpus.update(self.facts[r].cpus)
-        return max(len(cpus), 1)
-
-    @property
-    def oversubscribed(self) -> bool:
-        """The ranks on this machine cannot have a core each (:func:`core_each`)."""
-        return not core_each([self.facts[r].cpus for r in self.machine_ranks])
+        return len({h.network for h in self.layout.hosts}) == 1
 
     @property
     def world_oversubscribed(self) -> bool:
         """Some machine's ranks cannot have a core each: decides the
         settings every rank must share (:func:`streamcoll.env.agreed_defaults`)."""
-        machines: Dict[str, List[Tuple[int, ...]]] = {}
-        for f in self.facts:
-            machines.setdefault(f.machine, []).append(f.cpus)
-        return not all(core_each(sets) for sets in machines.values())
+        return any(self.layout.machine_oversubscribed)
 
-    def describe_rank(self, r: int) -> str:
-        f = self.facts[r]
-        h = next(i for i, hr in enumerate(self.hosts) if r in hr)
-        route = f.route.describe() if f.route else "no rendezvous address"
-        return f"rank {r}: host {h} ({f.hostname}, pid {f.pid}), route {route}"
-
-    def summary(self) -> str:
-        return (f"{len(self.facts)} ranks on {len(self.hosts)} host(s) "
-                f"[{'; '.join(','.join(map(str, h)) for h in self.hosts)}]; this rank {self.rank}: "
-                f"host {self.host_index}, local rank {self.local_rank} of {self.local_size}, "
-                f"{len(self.machine_ranks)} rank(s) on {self.machine_cores} core(s) of this machine")
+    @property
+    def agreed(self) -> "Agreed":
+        """The must-agree variables' values, or their conflicts (computed
+        once, on rank 0, in :func:`compute`)."""
+        from .env import Agreed
+        return Agreed(dict(self.layout.agreed), dict(self.layout.conflicts))
 
     @property
     def hostnames_tell_hosts_apart(self) -> bool:
@@ -382,23 +563,95 @@ class Topology:
         (``CCL_ATL_SHM``) groups ranks by hostname: with a hostname shared by
         two hosts it treats them as one and init hangs (measured, 2 x 2)."""
         owner: Dict[str, int] = {}
-        for i, h in enumerate(self.hosts):
-            for r in h:
-                if owner.setdefault(self.facts[r].hostname, i) != i:
+        for i, h in enumerate(self.layout.hosts):
+            for name in h.hostnames:
+                if owner.setdefault(name, i) != i:
                     return False
         return True
 
     def name_clashes(self) -> List[Tuple[int, int]]:
         """Pairs of ranks on different hosts with the same hostname and the
         same process id (fresh PID namespaces in containers started alike)."""
-        host = {r: i for i, h in enumerate(self.hosts) for r in h}
-        seen: Dict[Tuple[str, int], int] = {}
-        out = []
-        for f in self.facts:
-            first = seen.setdefault((f.hostname, f.pid), f.rank)
-            if first != f.rank and host[first] != host[f.rank]:
-                out.append((first, f.rank))
-        return out
+        return [(c.first, c.second) for c in self.layout.clashes]
+
+    # -- this rank's host ------------------------------------------------------
+    @property
+    def host(self) -> Host:
+        """This rank's host."""
+        return self.layout.hosts[self.host_index]
+
+    @property
+    def host_ranks(self) -> List[int]:
+        """The ranks of this rank's host."""
+        return list(self.host.ranks)
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index among its host's ranks."""
+        return self.host.ranks.index(self.rank)
+
+    @property
+    def local_size(self) -> int:
+        """Ranks on this rank's host."""
+        return len(self.host.ranks)
+
+    @property
+    def machine_ranks(self) -> List[int]:
+        """Ranks on this rank's machine (any namespace): they share its cores."""
+        m = self.host.machine
+        return sorted(r for h in self.layout.hosts if h.machine == m for r in h.ranks)
+
+    @property
+    def machine_cores(self) -> int:
+        """Cores the ranks on this machine may run on together (union of affinities)."""
+        return self.layout.machine_cores[self.host.machine]
+
+    @property
+    def oversubscribed(self) -> bool:
+        """The ranks on this machine cannot have a core each within their CPU sets (:func:`core_each`)."""
+        flags = self.layout.machine_oversubscribed
+        m = self.host.machine
+        return flags[m] if m < len(flags) else len(self.machine_ranks) > self.machine_cores
+
+    # -- derived communicators ---------------------------------------------------
+    def subgroup(self, ranks: Sequence[int], rank: int) -> "Topology":
+        """The view of a communicator over ``ranks`` (ranks of this one; the
+        new rank ``i`` is ``ranks[i]``), as rank ``rank`` of it: derived, no
+        exchange (split, new_group). Each machine keeps the cores its parent
+        measured, and each host the hostnames of all its parent ranks."""
+        index = {r: i for i, r in enumerate(ranks)}
+        if len(index) != len(ranks) or any(not 0 <= r < self.world_size for r in ranks):
+            raise ValueError(f"ranks: expected distinct ranks in [0, {self.world_size}), got {list(ranks)!r}")
+        hosts = []
+        for h in self.layout.hosts:
+            mine = tuple(sorted(index[r] for r in h.ranks if r in index))
+            if mine:
+                hosts.append(replace(h, ranks=mine))
+        hosts.sort(key=lambda h: h.ranks[0])
+        clashes = tuple(Clash(index[c.first], index[c.second], c.hostname, c.pid)
+                        for c in self.layout.clashes if c.first in index and c.second in index)
+        layout = replace(self.layout, world_size=len(ranks), hosts=tuple(hosts), clashes=clashes)
+        return Topology(layout, rank, replace(self.me, rank=rank))
+
+    # -- messages --------------------------------------------------------------
+    def describe_rank(self, r: int) -> str:
+        """Rank ``r`` for messages: its host, hostname, and route (this rank)
+        or interface (another rank: its host's)."""
+        h = next(i for i, hr in enumerate(self.layout.hosts) if r in hr.ranks)
+        host = self.layout.hosts[h]
+        if r == self.rank:
+            where = self.me.route.describe() if self.me.route else "no rendezvous address"
+            return f"rank {r}: host {h} ({self.me.hostname}, pid {self.me.pid}), route {where}"
+        return f"rank {r}: host {h} ({'/'.join(host.hostnames)}), interface {host.iface or '?'}"
+
+    def summary(self) -> str:
+        """One line: ranks, hosts (the first 16), this rank's place."""
+        hosts = [run_text(h.ranks).replace("..", "-") for h in self.layout.hosts[:16]]
+        more = f"; ... ({len(self.layout.hosts)} hosts)" if len(self.layout.hosts) > 16 else ""
+        return (f"{self.world_size} ranks on {len(self.layout.hosts)} host(s) "
+                f"[{'; '.join(hosts)}{more}]; this rank {self.rank}: "
+                f"host {self.host_index}, local rank {self.local_rank} of {self.local_size}, "
+                f"{len(self.machine_ranks)} rank(s) on {self.machine_cores} core(s) of this machine")
 
     def loopback_problem(self, advertised: Optional[str]) -> Optional[str]:
         """Why init cannot complete, if rank 0's bootstrap address is a
@@ -411,7 +664,7 @@ class Topology:
                 return None
         except ValueError:
             return None
-        others = [r for r in range(len(self.facts)) if r not in self.hosts[0]]
+        others = sorted(r for h in self.layout.hosts[1:] for r in h.ranks)
         which = f"rank {others[0]} is" if len(others) == 1 else f"ranks {_ranges(others)} are"
         return (f"rank 0 advertises its bootstrap address {advertised}, a loopback address, but {which} on "
                 f"another host: each host would reach only its own {advertised}")
@@ -444,50 +697,3 @@ def advertised_address(backend: str, uid: bytes) -> Optional[Tuple[str, int]]:
 
 
 __all__ += ["advertised_address"]
-
-
-# ---------------------------------------------------------------- exchange
-def _rendezvous_text() -> str:
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    return f"{addr}:{port}" if addr else "the store passed in"
-
-
-def exchange(store: Any, rank: int, world_size: int, timeout: float, facts: Optional[RankFacts] = None,
-             wait: Optional[Any] = None) -> Topology:
-    """Publish this rank's facts under ``store`` (a communicator's
-    PrefixStore) and wait for every rank's: with ``wait(keys)`` where given
-    (bootstrap's, with progress lines and a RendezvousError), else the store's
-    wait. Ranks that do not arrive within ``timeout`` are named in the
-    :class:`~streamcoll.errors.CommunicatorError`, with this rank's route and
-    the likely causes."""
-    from datetime import timedelta
-
-    from .errors import CommunicatorError
-
-    facts = facts or local_facts(rank, store)
-    store.set(exchange_key(rank), facts.to_json())
-    keys = [exchange_key(r) for r in range(world_size)]
-    if wait is not None:
-        wait(keys)
-        return Topology([RankFacts.from_json(store.get(k).decode()) for k in keys], rank)
-    try:
-        store.wait(keys, timedelta(seconds=timeout))
-    except Exception as e:  # torch raises DistStoreError (a RuntimeError) on timeout
-        missing: List[int] = []
-        for r, k in enumerate(keys):
-            try:
-                if not store.check([k]):
-                    missing.append(r)
-            except Exception:
-                missing.append(r)
-        route = facts.route.describe() if facts.route else "no rendezvous address known"
-        raise CommunicatorError(
-            f"rendezvous: rank(s) {_ranges(missing) or '?'} of {world_size} did not arrive within {timeout:g} s "
-            f"(store at {_rendezvous_text()}; this is rank {rank} on {facts.hostname}, route {route}). Likely "
-            f"cause: those ranks were not started, failed before init, or use another MASTER_ADDR/MASTER_PORT "
-            f"or world size ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        ) from None
-    return Topology([RankFacts.from_json(store.get(k).decode()) for k in keys], rank)
-
-
-__all__ += ["exchange"]

@@ -137,3 +137,101 @@ def test_torchrun_agent_store_and_quiet_stdout(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert sorted(p.stdout.splitlines()) == ["rank 0: [3.0, 3.0, 3.0, 3.0]", "rank 1: [3.0, 3.0, 3.0, 3.0]"], (p.stdout, p.stderr)
     assert "CCL_" not in p.stderr and "frame #" not in p.stderr, p.stderr
+
+
+_KEEPS_TIMEOUT = r"""
+import os, datetime, torch.distributed as dist, streamcoll
+dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(minutes=30))
+store = dist.distributed_c10d._get_default_store()
+before = store.timeout
+c = streamcoll.init(backend="oneccl", device="cpu", timeout=7)
+print("TIMEOUTS", before.total_seconds(), store.timeout.total_seconds(), c.timeout, flush=True)
+streamcoll.destroy()
+dist.destroy_process_group()
+"""
+
+
+def test_init_keeps_the_timeout_of_torchs_store(tmp_path):
+    """Issue 22 finding 9. Before: ``streamcoll.init(timeout=7)`` after
+    ``init_process_group("gloo", timeout=30 min)`` left torch's default store
+    (shared with the other backends, which read their unique ids through it)
+    at 7 s: the communicator's PrefixStore passed ``set_timeout`` through."""
+    env = dict(os.environ)
+    env.update(LOOPBACK_ENV)
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_PORT=str(free_port()))
+    p = subprocess.run([sys.executable, "-c", _KEEPS_TIMEOUT], env=env, capture_output=True, text=True,
+                       timeout=120, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stdout + p.stderr
+    line = [x for x in p.stdout.splitlines() if x.startswith("TIMEOUTS")]
+    assert line == ["TIMEOUTS 1800.0 1800.0 7.0"], p.stdout + p.stderr
+
+
+_SUBGROUPS = r"""
+import json, os, sys, datetime, torch, torch.distributed as dist, streamcoll
+from streamcoll.bench.rendezvous import CountingStore
+rank, port = int(os.environ["RANK"]), int(sys.argv[1])
+tcp = dist.TCPStore("127.0.0.1", port, 3, rank == 0, datetime.timedelta(seconds=60), wait_for_workers=False)
+store = CountingStore(tcp)
+dist.init_process_group("streamcoll", store=store, rank=rank, world_size=3, timeout=datetime.timedelta(seconds=60))
+out = {}
+t = torch.ones(2)
+n0 = store.requests
+dist.all_reduce(t)                                  # the world group's communicator: a rendezvous
+out["world"] = store.requests - n0
+sub = dist.new_group([0, 2])
+if rank != 1:
+    n0 = store.requests
+    dist.all_reduce(t, group=sub)                   # derived from the world's topology
+    out["sub"] = store.requests - n0
+    c = sub.communicator(torch.device("cpu"))
+    out["sub_topology"] = [len(sum(c.topology.hosts, [])), c.topology.rank, c.topology.hosts]
+    out["sub_read_facts"] = c.topology.me.rank
+comm = streamcoll.new_communicator(backend="oneccl", device="cpu", store=tcp, rank=rank, world_size=3,
+                                   name="splitme", timeout=60)
+n0 = store.requests
+s = comm.split(0 if rank != 1 else 1)
+out["split"] = store.requests - n0
+out["split_topology"] = s.topology and [len(sum(s.topology.hosts, [])), s.topology.rank, s.topology.hosts,
+                                       s.topology.me.rank]
+print("OUT", json.dumps(out), flush=True)
+s.destroy(); comm.destroy()
+dist.destroy_process_group()
+"""
+
+
+def test_subgroups_derive_their_topology(tmp_path):
+    """A process-group subgroup (new_group) made after the world group's
+    communicator derives its topology: its rank 0 reads no facts (5 store
+    requests: the counter, one wait, the layout, init, ready; the member 6);
+    ``split`` makes no store request and its child has the derived topology.
+    Before: a split child had no topology (None), and a subgroup's
+    communicator read every member's facts on every member."""
+    port = free_port()
+    procs = []
+    for r in range(3):
+        env = dict(os.environ)
+        env.update(LOOPBACK_ENV)
+        env.update(RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="3", MASTER_PORT=str(port),
+                   RES_OPTIONS="use-vc")
+        procs.append(subprocess.Popen([sys.executable, "-c", _SUBGROUPS, str(port)], env=env, cwd=str(tmp_path),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=240)
+            outs.append((p.returncode, o, e))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    import json
+    got = []
+    for rc, o, e in outs:
+        assert rc == 0, o + e
+        got.append(json.loads([x for x in o.splitlines() if x.startswith("OUT ")][0][4:]))
+    assert [g["world"] for g in got] == [6, 6, 6], got
+    assert got[0]["sub"] == 5 and got[2]["sub"] == 6, got
+    assert got[0]["sub_topology"] == [2, 0, [[0, 1]]] and got[2]["sub_topology"] == [2, 1, [[0, 1]]], got
+    assert [g["split"] for g in got] == [0, 0, 0], got
+    assert got[0]["split_topology"] == [2, 0, [[0, 1]], 0] and got[2]["split_topology"] == [2, 1, [[0, 1]], 1]
+    assert got[1]["split_topology"] == [1, 0, [[0]], 0], got
