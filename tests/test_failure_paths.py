@@ -168,6 +168,10 @@ def _failed_everywhere(w, f, exc_type=CommunicatorError) -> None:
     assert isinstance(w.exception(), exc_type), repr(w.exception())
     with pytest.raises(exc_type):
         w.wait()
+    # the future completes on the callback thread (streamcoll.callbacks), a moment later
+    deadline = time.monotonic() + 10
+    while not f.done() and time.monotonic() < deadline:
+        time.sleep(0.005)
     assert f.done()
     with pytest.raises(Exception):
         f.value()
