@@ -8,6 +8,10 @@ bash scripts/setup.sh
 # wheel, a venv of 66 MB made in about 7 s; streamcoll itself never needs it).
 # If it cannot be made, those tests skip and say why.
 bash benchmarks/setup_mpi.sh >/dev/null || echo "[test] benchmarks/setup_mpi.sh failed: MPI column tests will skip" >&2
+# The launchers tier (srun, mpiexec, Ray Train, Lightning, accelerate) runs in
+# a venv of its own that sees the system's torch (.venv-launchers); a one-node
+# SLURM is brought up by the tier itself (scripts/slurm_local.sh).
+bash scripts/setup_launchers.sh >/dev/null || echo "[test] scripts/setup_launchers.sh failed: launchers tier will skip" >&2
 PY="${PYTHON:-python3}"
 export MASTER_ADDR=127.0.0.1 CCL_KVS_IFACE=lo NCCL_SOCKET_IFNAME=lo
 # Two cores: multi-process worlds run one module at a time (xdist_group), the
