@@ -439,7 +439,7 @@ def _op(opts: Any, op: Any = None) -> Any:
         if opts is None or isinstance(opts, int):
             return dist.ReduceOp.SUM
         op = opts if isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)) else opts.reduceOp
-    if isinstance(op, dist.ReduceOp):
+    if type(op) is dist.ReduceOp:  # not RedOpType (which isinstance counts as one too)
         return _CANONICAL.get(op.op, op)
     return op
 

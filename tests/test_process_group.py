@@ -392,7 +392,7 @@ def test_multi_gpu_ranks_meet_under_one_store_key(monkeypatch):
     store.set_timeout(timedelta(seconds=2))
     got = {}
 
-    def exchange(device, timeout, store, rank, world_size, name):
+    def exchange(device, timeout, store, rank, world_size, name, **kw):  # kw: known_topology (issue 24)
         if rank == 0:
             store.set("unique_id", b"rank 0's id")
         else:
