@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import needs_oneccl
-from world import LOOPBACK_ENV, free_port
+from world import TORCHRUN_ENV, free_port
 
 pytestmark = [needs_oneccl, pytest.mark.world]
 
@@ -30,7 +30,7 @@ except streamcoll.CollectiveError as e:
 
 def _run(tmp_path, rank: int, world: int, timeout: float, port: int):
     env = dict(os.environ)
-    env.update(LOOPBACK_ENV)
+    env.update(TORCHRUN_ENV)
     env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                MASTER_PORT=str(port))
     t0 = time.monotonic()
@@ -88,7 +88,7 @@ def test_world_size_disagreeing_with_torchrun(tmp_path):
     script = tmp_path / "ws3.py"
     script.write_text(_TORCHRUN)
     env = dict(os.environ)
-    env.update(LOOPBACK_ENV)
+    env.update(TORCHRUN_ENV)
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                         "--master-port", str(free_port()), str(script)], env=env, capture_output=True,
@@ -129,7 +129,7 @@ def test_torchrun_agent_store_and_quiet_stdout(tmp_path):
     script = tmp_path / "ok.py"
     script.write_text(_TORCHRUN_OK)
     env = dict(os.environ)
-    env.update(LOOPBACK_ENV)
+    env.update(TORCHRUN_ENV)
     env.pop("CCL_LOG_LEVEL", None)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                         "--master-port", str(free_port()), str(script)], env=env, capture_output=True,

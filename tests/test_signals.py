@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from world import LOOPBACK_ENV, free_port, kill_sessions  # noqa: E402
+from world import TORCHRUN_ENV, free_port, kill_sessions  # noqa: E402
 
 
 def _out(name: str, data: dict) -> None:
@@ -107,7 +107,7 @@ if __name__ != "__main__":
             self.ended: Dict[int, float] = {}
             for r in range(size):
                 e = dict(os.environ)
-                e.update(LOOPBACK_ENV)
+                e.update(TORCHRUN_ENV)
                 e.update({"RANK": str(r), "WORLD_SIZE": str(size), "LOCAL_RANK": str(r),
                           "LOCAL_WORLD_SIZE": str(size), "MASTER_PORT": str(port), "SIGNALS_OUT": self.dir})
                 e.update(env or {})

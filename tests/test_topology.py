@@ -185,5 +185,16 @@ def test_simulated_hosts_get_a_clean_environment(monkeypatch):
     e = netns.clean_env({"MASTER_ADDR": "10.77.0.1"})
     assert e["MASTER_ADDR"] == "10.77.0.1" and "PATH" in e
     assert not {"CCL_KVS_IFACE", "NCCL_SOCKET_IFNAME", "FI_PROVIDER", "RANK", "GLOO_SOCKET_IFNAME"} & set(e)
-    why = netns.unavailable()
-    assert why is None or isinstance(why, str) and why  # a reason to skip with, or nothing
+
+
+def test_namespace_probe_names_what_is_missing(monkeypatch):
+    """The multihost tier's skip reason names the missing tool, then root."""
+    import shutil
+
+    import netns
+    which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda t: None if t == "unshare" else which(t) or f"/usr/bin/{t}")
+    assert netns.unavailable() == "`unshare` is not installed"
+    monkeypatch.setattr(shutil, "which", lambda t: which(t) or f"/usr/bin/{t}")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert netns.unavailable() == "creating network namespaces needs root (ip netns add)"

@@ -19,12 +19,22 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
-LOOPBACK_ENV = {
+# What torchrun puts in every rank's environment besides the rank variables,
+# with its defaults (torch/distributed/run.py: --master-addr 127.0.0.1;
+# OMP_NUM_THREADS=1 for more than one process per node unless set). Nothing
+# else: the interfaces (CCL_KVS_IFACE, NCCL_SOCKET_IFNAME, ...) are
+# streamcoll's own defaults to choose, as they are for a user.
+TORCHRUN_ENV = {
     "MASTER_ADDR": "127.0.0.1",
-    "CCL_KVS_IFACE": "lo",
-    "NCCL_SOCKET_IFNAME": "lo",
     "OMP_NUM_THREADS": "1",
 }
+
+
+def rank_env(rank: int, size: int, port: int) -> Dict[str, str]:
+    """The variables torchrun gives rank ``rank`` of a one-node job of
+    ``size`` ranks with its store at ``port``."""
+    return dict(TORCHRUN_ENV, RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(size), GROUP_RANK="0", MASTER_PORT=str(port))
 
 
 def free_port() -> int:
@@ -54,9 +64,8 @@ def _worker(rank: int, size: int, port: int, conn, env: Dict[str, str], init_kwa
     import faulthandler
     import signal
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks on a hang
+    os.environ.update(rank_env(rank, size, port))
     os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(size), "MASTER_PORT": str(port)})
     comm = None
     try:
         import streamcoll
@@ -94,8 +103,7 @@ class World:
         self.timeout = timeout
         ctx = mp.get_context("spawn")
         port = free_port()
-        e = dict(LOOPBACK_ENV)
-        e.update(env or {})
+        e = dict(env or {})
         self.conns = []
         self.procs = []
         kw = {} if init_kwargs is None else init_kwargs
