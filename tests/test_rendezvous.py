@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import needs_oneccl
-from world import TORCHRUN_ENV, free_port
+from world import TORCHRUN_ENV, bare_env, free_port
 
 pytestmark = [needs_oneccl, pytest.mark.world]
 
@@ -137,3 +137,33 @@ def test_torchrun_agent_store_and_quiet_stdout(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert sorted(p.stdout.splitlines()) == ["rank 0: [3.0, 3.0, 3.0, 3.0]", "rank 1: [3.0, 3.0, 3.0, 3.0]"], (p.stdout, p.stderr)
     assert "CCL_" not in p.stderr and "frame #" not in p.stderr, p.stderr
+
+
+_TORCHRUN_BARE = r"""
+import os, torch, streamcoll
+from streamcoll import env
+c = streamcoll.init(backend="oneccl", device="cpu", timeout=60)
+t = torch.full((3,), float(c.rank + 1))
+c.all_reduce(t, op=streamcoll.ReduceOp.AVG)
+w = c.all_reduce(torch.full((2,), float(c.rank)), async_op=True)
+w.wait()
+os.write(1, (f"rank {c.rank}: {t.tolist()} {w.result()[0].tolist()} "
+             f"kvs={os.environ.get('CCL_KVS_IFACE')} applied={env.APPLIED.get('CCL_KVS_IFACE')}\n").encode())
+streamcoll.destroy()
+"""
+
+
+def test_torchrun_job_with_none_of_the_suites_variables(tmp_path):
+    """A user's job: ``torchrun --nproc-per-node 2`` from an environment with
+    no MASTER_ADDR, CCL_KVS_IFACE, NCCL_SOCKET_IFNAME or OMP_NUM_THREADS
+    (world.bare_env). streamcoll's own single-host default chooses the
+    oneCCL interface (``CCL_KVS_IFACE=lo``, applied by streamcoll.env), and
+    the values are right."""
+    script = tmp_path / "bare.py"
+    script.write_text(_TORCHRUN_BARE)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(free_port()), str(script)], env=bare_env(), capture_output=True,
+                       text=True, timeout=120, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(line for line in p.stdout.splitlines() if line.startswith("rank ")) == [
+        f"rank {r}: [1.5, 1.5, 1.5] [1.0, 1.0] kvs=lo applied=lo" for r in range(2)], (p.stdout, p.stderr)

@@ -30,6 +30,18 @@ TORCHRUN_ENV = {
 }
 
 
+# The variables earlier versions of this suite set for every test; a user's
+# shell and torchrun set none of them (OMP_NUM_THREADS: torchrun sets it in
+# the ranks, not in the launcher's environment).
+SUITE_ONLY = ("MASTER_ADDR", "MASTER_PORT", "CCL_KVS_IFACE", "NCCL_SOCKET_IFNAME", "OMP_NUM_THREADS")
+
+
+def bare_env() -> Dict[str, str]:
+    """This process's environment without :data:`SUITE_ONLY`: what a user's
+    ``torchrun`` starts from."""
+    return {k: v for k, v in os.environ.items() if k not in SUITE_ONLY}
+
+
 def rank_env(rank: int, size: int, port: int) -> Dict[str, str]:
     """The variables torchrun gives rank ``rank`` of a one-node job of
     ``size`` ranks with its store at ``port``."""
