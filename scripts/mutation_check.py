@@ -80,6 +80,11 @@ FIXED: List[Mutation] = [
         ("tests/test_process_group.py::test_collectives_through_torch_distributed",),
         ci=True, why="issue 28 finding 1 (the PyTorch-suite subset: test_reduce_sum, test_get_future)"),
     Mutation(
+        "process_group._op always MAX (against gloo)",
+        (("streamcoll/process_group.py", "    if opts is None:\n        return dist.ReduceOp.SUM\n",
+          "    return dist.ReduceOp.MAX\n"),),
+        ("tests/test_process_group.py::test_reductions_match_gloo_and_numpy",)),
+    Mutation(
         "process_group._op always MAX (PyTorch's suite)",
         (("streamcoll/process_group.py", "    if opts is None:\n        return dist.ReduceOp.SUM\n",
           "    return dist.ReduceOp.MAX\n"),),

@@ -74,7 +74,8 @@ import streamcoll  # noqa: E402,F401  (registers the backend, here and in every 
 
 from conftest import needs_oneccl  # noqa: E402
 
-from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
+with runner_env():  # torch.testing._internal sets variables of its own at import (TORCHINDUCTOR_CACHE_DIR)
+    from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
 
 # What the backend declares to the suite, the way nccl, gloo and ucc are
 # declared in common_distributed.DistTestCases: read by the decorators when
