@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -66,6 +67,75 @@ def kill_sessions(procs: List[Any]) -> None:
             except ProcessLookupError:
                 pass
             p.wait(10)
+
+
+class Processes:
+    """Subprocesses of one test, each in a session of its own (so
+    :func:`kill_sessions` ends it with all it started), logging to files in
+    ``dir``, watched until they end: the one spawner of the subprocess
+    harnesses (test_signals, test_reliability: ranks; test_multihost: one
+    launcher per simulated host). ``ended[i]`` is the wall-clock time
+    process ``i`` was seen to end; ``rank<r>.json`` in ``dir`` is what
+    rank ``r`` reported (:meth:`result`)."""
+
+    def __init__(self, dir: str) -> None:
+        self.dir = str(dir)
+        self.procs: List[subprocess.Popen] = []
+        self.ended: Dict[int, float] = {}
+
+    def start(self, argv: List[str], env: Dict[str, str], stdout: str, stderr: Optional[str] = None
+              ) -> subprocess.Popen:
+        """Start ``argv`` with exactly ``env``; its output goes to ``dir/stdout``
+        (and ``dir/stderr``; None: both into the first)."""
+        out = open(os.path.join(self.dir, stdout), "w")
+        err = open(os.path.join(self.dir, stderr), "w") if stderr else None
+        try:
+            p = subprocess.Popen(argv, env=env, stdout=out, stderr=err or subprocess.STDOUT,
+                                 start_new_session=True)
+        finally:
+            out.close()
+            if err is not None:
+                err.close()
+        self.procs.append(p)
+        return p
+
+    def start_ranks(self, argv: List[str], size: int, env: Optional[Dict[str, str]] = None) -> None:
+        """``size`` ranks of ``argv`` on this host, each with this process's
+        environment plus what torchrun gives it (:func:`rank_env`) and
+        ``env``; rank r logs to ``stdout<r>`` and ``stderr<r>``."""
+        port = free_port()
+        for r in range(size):
+            e = dict(os.environ)
+            e.update(rank_env(r, size, port))
+            e.update(env or {})
+            self.start(argv, e, f"stdout{r}", f"stderr{r}")
+
+    def wait_all(self, timeout: float) -> None:
+        """Until every process ended or ``timeout`` seconds passed."""
+        deadline = time.monotonic() + timeout
+        while len(self.ended) < len(self.procs) and time.monotonic() < deadline:
+            for i, p in enumerate(self.procs):
+                if i not in self.ended and p.poll() is not None:
+                    self.ended[i] = time.time()
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        kill_sessions(self.procs)
+
+    def rc(self, i: int) -> Optional[int]:
+        return self.procs[i].returncode
+
+    def text(self, name: str) -> str:
+        with open(os.path.join(self.dir, name)) as f:
+            return f.read()
+
+    def result(self, r: int) -> dict:
+        import json
+        path = os.path.join(self.dir, f"rank{r}.json")
+        if not os.path.exists(path):
+            return {}
+        with open(path) as f:
+            return json.load(f)
 
 
 class ChildError(AssertionError):
