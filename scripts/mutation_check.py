@@ -75,31 +75,35 @@ OWN_TEST: Dict[str, Tuple[str, ...]] = {
 FIXED: List[Mutation] = [
     Mutation(
         "process_group._op always MAX",
-        (("streamcoll/process_group.py", "    if opts is None:\n        return dist.ReduceOp.SUM\n",
+        (("streamcoll/process_group.py", "    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n",
           "    return dist.ReduceOp.MAX\n"),),
         ("tests/test_process_group.py::test_collectives_through_torch_distributed",),
         ci=True, why="issue 28 finding 1 (the PyTorch-suite subset: test_reduce_sum, test_get_future)"),
     Mutation(
         "process_group._op always MAX (against gloo)",
-        (("streamcoll/process_group.py", "    if opts is None:\n        return dist.ReduceOp.SUM\n",
+        (("streamcoll/process_group.py", "    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n",
           "    return dist.ReduceOp.MAX\n"),),
         ("tests/test_process_group.py::test_reductions_match_gloo_and_numpy",)),
     Mutation(
         "process_group._op always MAX (PyTorch's suite)",
-        (("streamcoll/process_group.py", "    if opts is None:\n        return dist.ReduceOp.SUM\n",
+        (("streamcoll/process_group.py", "    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n",
           "    return dist.ReduceOp.MAX\n"),),
         ("tests/test_torch_dist_suite.py::TestStreamcollDistBackend::test_reduce_sum",),
         why="issue 28 finding 1: torch's all_reduce tests compare no value; these do"),
     Mutation(
         "AVG computed as SUM (general and fast path)",
         (("streamcoll/plans.py", "return lambda: out.div_(n)", "return lambda: out.div_(1)"),
-         ("streamcoll/launch.py", ".div_(_size)", ".div_(1)")),
+         ("streamcoll/launch.py", "{spec.recv or spec.send}.div_(_size)", "{spec.recv or spec.send}.div_(1)"),
+         ("streamcoll/launch.py", "w{oi}.div_(_size)", "w{oi}.div_(1)"),
+         ("streamcoll/launch.py", "{out_b}.div_(_size)", "{out_b}.div_(1)")),
         ("tests/test_compile.py::test_compiled_step_aot_eager",),
         why="issue 28 finding 2 (compiled vs eager compared with a plain-torch reference)"),
     Mutation(
         "AVG computed as SUM, seen by the all_reduce value test",
         (("streamcoll/plans.py", "return lambda: out.div_(n)", "return lambda: out.div_(1)"),
-         ("streamcoll/launch.py", ".div_(_size)", ".div_(1)")),
+         ("streamcoll/launch.py", "{spec.recv or spec.send}.div_(_size)", "{spec.recv or spec.send}.div_(1)"),
+         ("streamcoll/launch.py", "w{oi}.div_(_size)", "w{oi}.div_(1)"),
+         ("streamcoll/launch.py", "{out_b}.div_(_size)", "{out_b}.div_(1)")),
         (COLLECTIVES + "::test_all_reduce_every_op_and_dtype[w2-sync]",), ci=True),
     Mutation(
         "float64 missing from the dtype table",
@@ -126,7 +130,7 @@ FIXED: List[Mutation] = [
         why="issue 28 finding 5: one-rank value checks passed with a collective that does nothing"),
     Mutation(
         "single-host CCL_KVS_IFACE default deleted",
-        (("streamcoll/env.py", '        _default("CCL_KVS_IFACE", "lo")\n', ""),),
+        (("streamcoll/env.py", '            d["CCL_KVS_IFACE"] = "lo"\n', "            pass\n"),),
         ("tests/test_rendezvous.py::test_torchrun_job_with_none_of_the_suites_variables",),
         why="issue 28: hidden by the suite's blanket CCL_KVS_IFACE=lo (a torchrun job with none of them)"),
     Mutation(
