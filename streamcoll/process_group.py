@@ -440,7 +440,7 @@ def _op(opts: Any, op: Any = None) -> Any:
             return dist.ReduceOp.SUM
         op = opts if isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)) else opts.reduceOp
     if type(op) is dist.ReduceOp:  # not RedOpType (which isinstance counts as one too)
-        return _CANONICAL.get(op.op, op)
+        return _CANONICAL.get(getattr(op, "op", None), op)
     return op
 
 
