@@ -263,7 +263,9 @@ def w_posted_lane_serves_the_posting_stream(comm):
         box = {}
 
         def post():
-            box["key"] = comm._rt.current_key()
+            box["key"] = k = comm._rt.current_key()
+            # thread idents are recycled: a lane cached for an earlier thread with this ident would be reused
+            comm._lanes.pop(k, None)
             box["w"] = comm.isend(x, peer) if comm.rank == 0 else comm.irecv(x, peer)
 
         th = threading.Thread(target=post)
