@@ -64,6 +64,8 @@ runuser -u munge -- munged --key-file="$D/munge/munge.key" --socket="$sock" \
   --pid-file="$D/munge/munged.pid" --log-file="$D/munge/munged.log" --seed-file="$D/munge/seed" --force
 cp "$D/munge/munged.pid" "$D/munged.pid"
 
+# CPUs: the machine's (nproc --all), not this process's affinity: a caller pinned to
+# one core (a test harness, taskset) would declare a node that can never run srun -n 2.
 cat >"$SLURM_CONF" <<EOF
 ClusterName=streamcoll
 SlurmctldHost=$host
@@ -89,7 +91,7 @@ SlurmctldPort=${STREAMCOLL_SLURMCTLD_PORT:-6917}
 SlurmdPort=${STREAMCOLL_SLURMD_PORT:-6918}
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
-NodeName=$host CPUs=$(nproc) RealMemory=4000 State=UNKNOWN
+NodeName=$host CPUs=$(nproc --all) RealMemory=4000 State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
 

@@ -350,7 +350,7 @@ def _published_error(e: BaseException) -> dict:
 
 
 def _raise_published(err: dict, rank: int, world_size: int) -> None:
-    addr, port = _store_address() if "MASTER_PORT" in os.environ else ("", -1)
+    addr, port = _reported_address() if "MASTER_PORT" in os.environ else ("", -1)
     msg = f"{err['message']} (reported by rank 0 to every rank; this is rank {rank})"
     if err["kind"] == "rendezvous":
         raise RendezvousError(msg, err.get("missing") or [], addr, port, world_size, os.environ.get("WORLD_SIZE"))
@@ -377,7 +377,7 @@ class _Lead:
         self.start = time.monotonic()
 
     def _error(self, missing: List[int], waited: float, err: str = "") -> RendezvousError:
-        addr, port = _store_address() if "MASTER_PORT" in os.environ else ("", -1)
+        addr, port = _reported_address() if "MASTER_PORT" in os.environ else ("", -1)
         where = f" at {addr}:{port}" if addr else ""
         env_ws = os.environ.get("WORLD_SIZE")
         detail = (f"the store stopped answering ({err})" if err else
@@ -411,7 +411,7 @@ class _Lead:
                 except Exception:
                     pass
                 return
-            addr, port = _store_address() if "MASTER_PORT" in os.environ else ("", -1)
+            addr, port = _reported_address() if "MASTER_PORT" in os.environ else ("", -1)
             where = f" at {addr}:{port}" if addr else ""
             log.warning("streamcoll: rank 0 waiting for %s to join communicator %r (store%s; world size %d, "
                         "WORLD_SIZE=%s): %.0f s of %g s", _ranks_text(missing), self.cname, where,
@@ -455,7 +455,7 @@ class _Lead:
 def _follow(store: Any, rank: int, world_size: int, timeout: float, cname: str) -> dict:
     """A rank other than 0: read rank 0's announcements until the outcome."""
     start = time.monotonic()
-    addr, port = _store_address() if "MASTER_PORT" in os.environ else ("", -1)
+    addr, port = _reported_address() if "MASTER_PORT" in os.environ else ("", -1)
     where = f" at {addr}:{port}" if addr else ""
     env_ws = os.environ.get("WORLD_SIZE")
     k, said = 1, ""

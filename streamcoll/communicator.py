@@ -103,6 +103,7 @@ from . import spec as _spec
 from ._methods import CollectiveMethods
 from .backends import Backend
 from .errors import CollectiveTimeout, CommunicatorError, UsageError
+from .timeouts import DEFAULT_TIMEOUT, env_timeout as _env_timeout, seconds as _seconds  # noqa: F401
 from .recorder import FlightEntry
 from .launch import build_fast_path, build_sync_launcher
 from .ops import ReduceOp
@@ -121,7 +122,6 @@ _wref = weakref.ref
 _Tensor = torch.Tensor
 _SUM = ReduceOp.SUM
 
-DEFAULT_TIMEOUT = 600.0  # seconds, as torch.distributed's default for NCCL
 
 # Point-to-point ops that are posted rather than launched (always
 # asynchronous: isend, irecv, batch_isend_irecv) and the synchronous ones
@@ -130,38 +130,6 @@ _POSTED = frozenset(n for n, s in _spec.TABLE.items() if s.p2p and s.async_mode 
 _P2P_SYNC = frozenset(n for n, s in _spec.TABLE.items() if s.p2p and s.async_mode == "never")
 # Point-to-point ops that only receive (irecv, recv): posted alone, a status query leaves them posted.
 _RECEIVES = frozenset(n for n, s in _spec.TABLE.items() if s.p2p and s.send is None and s.recv is not None)
-
-
-def _env_timeout() -> float:
-    """``STREAMCOLL_TIMEOUT`` (seconds, default 600), checked: a bad value
-    names the variable instead of failing later in a store."""
-    v = os.environ.get("STREAMCOLL_TIMEOUT")
-    if v is None or not v.strip():
-        return DEFAULT_TIMEOUT
-    try:
-        t = float(v)
-    except ValueError:
-        raise ValueError(f"environment variable STREAMCOLL_TIMEOUT: expected a positive number of seconds, "
-                         f"got {v!r}") from None
-    if not t > 0 or t == float("inf"):
-        raise ValueError(f"environment variable STREAMCOLL_TIMEOUT: expected a positive finite number of "
-                         f"seconds, got {v!r}")
-    return t
-
-
-def _seconds(timeout: Union[None, float, timedelta], name: str = "timeout") -> float:
-    """A timeout argument in seconds (positive, finite); None: ``STREAMCOLL_TIMEOUT``."""
-    if timeout is None:
-        return _env_timeout()
-    if isinstance(timeout, timedelta):
-        t = timeout.total_seconds()
-    elif isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name}: expected a number of seconds or a timedelta, got {timeout!r}")
-    else:
-        t = float(timeout)
-    if not t > 0 or t == float("inf"):
-        raise ValueError(f"{name}: expected a positive number of seconds or a timedelta, got {timeout!r}")
-    return t
 
 
 class P2POp:

@@ -418,18 +418,30 @@ def _nonempty(tensors: Any, name: str) -> Any:
     return tensors
 
 
+# torch's RedOpType singletons (dist.ReduceOp.SUM, ...) by value. The
+# ReduceOp that AllreduceOptions.reduceOp returns is a new object wrapping a
+# new RedOpType on every access, which no fast path can recognise by
+# identity (issue 25: every process-group call took the general path, and
+# the planner re-derived the reduction from the unhashable op each time).
+_CANONICAL = {getattr(dist.ReduceOp, n): getattr(dist.ReduceOp, n)
+              for n in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
+              if hasattr(dist.ReduceOp, n)}
+
+
 def _op(opts: Any, op: Any = None) -> Any:
     """The reduction: ``op`` where an overload passes it separately
     (``reduce(tensor, root, op)``), else the one in ``opts``: torch's option
     object, a ReduceOp itself (``allreduce(tensors, op)``), or None or a root
-    rank (overloads without one): SUM."""
-    if op is not None:
-        return op
-    if opts is None or isinstance(opts, int):
-        return dist.ReduceOp.SUM
-    if isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
-        return opts
-    return opts.reduceOp
+    rank (overloads without one): SUM. A torch ReduceOp other than
+    PREMUL_SUM (whose factor it carries) comes back as torch's canonical
+    RedOpType object, the spelling the generated fast paths take."""
+    if op is None:
+        if opts is None or isinstance(opts, int):
+            return dist.ReduceOp.SUM
+        op = opts if isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)) else opts.reduceOp
+    if type(op) is dist.ReduceOp:  # not RedOpType (which isinstance counts as one too)
+        return _CANONICAL.get(getattr(op, "op", None), op)
+    return op
 
 
 def _root(opts: Any) -> int:
@@ -456,7 +468,10 @@ def _pg_source(s: Any) -> List[str]:
     lines = [f"def {s.pg[0]}(self, {s.pg_params}):"]
     for p in s.params:
         if p.name in m:
-            lines.append(f"    {p.name} = {m[p.name]}")
+            # _one(x, 'x') inline for the usual one-tensor list (a frame less per call)
+            expr = re.sub(r"^_one\((\w+), '(\w+)'\)$",
+                          r"\1[0] if type(\1) is list and len(\1) == 1 else _one(\1, '\2')", m[p.name])
+            lines.append(f"    {p.name} = {expr}")
     # the device: the first input tensor, else the first tensor, else element 0 of the first input list
     first = next((p for p in s.buffers if p.name in m and p.kind == "tensor" and not p.role == "out"), None) \
         or next((p for p in s.buffers if p.name in m and p.kind == "tensor"), None) \
@@ -472,11 +487,26 @@ def _pg_source(s: Any) -> List[str]:
     outs = " + ".join(f"[{p.name}]" if p.kind == "tensor" else f"list({p.name} or [])"
                       for p in s.buffers if p.mutable or s.async_mode == "always") or "[]"
     args = ", ".join(p.name for p in s.params if p.name in m)
+    timed = bool(re.search(r"\btimeout\b", s.pg_params))
+    if s.async_mode != "always":
+        # The usual call, in one frame of ours besides the communicator's
+        # generated fast path (issue 25): the group is usable and not
+        # coalescing, the tensor's device type already has its communicator
+        # on that device; the Work is made here. Anything else: the general
+        # lines below (which create the communicator, check the device, raise).
+        lines.insert(len(lines) - 1,
+                     f"    if (self._failed is None and self._coalescing is None and type({dev}) is _Tensor\n"
+                     f"            and (c := self._comms.get((d := {dev}.device).type)) is not None\n"
+                     f"            and d.index == c._dev_index):\n"
+                     f"        self._last_device = d\n"
+                     f"        w = _Work(c.{s.name}({args}, bool(getattr(opts, 'asyncOp', True))), {outs}, "
+                     f"{s.pg[0]!r})\n"
+                     + (f"        return w if timeout is None else _timed(w, timeout)" if timed else "        return w"))
     if s.async_mode == "always":
         call = f"self._work(c.{s.name}({args}), {outs}, {s.pg[0]!r})"
     else:
         call = f"self._run(c, {s.pg[0]!r}, {outs}, opts, lambda a: c.{s.name}({args}, a))"
-    if re.search(r"\btimeout\b", s.pg_params):
+    if timed:
         call = f"_timed({call}, timeout)"
     lines.append(f"    return {call}")
     return lines
@@ -489,7 +519,8 @@ def _install_pg_methods() -> None:
         src = "\n".join(_pg_source(s)) + "\n"
         filename = f"<streamcoll generated ProcessGroupStreamcoll.{s.pg[0]}>"
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-        ns: Dict[str, Any] = {"_one": _one, "_op": _op, "_root": _root, "_nonempty": _nonempty, "_timed": _timed}
+        ns: Dict[str, Any] = {"_one": _one, "_op": _op, "_root": _root, "_nonempty": _nonempty, "_timed": _timed,
+                              "_Tensor": torch.Tensor, "_Work": StreamcollWork}
         exec(compile(src, filename, "exec"), ns)
         fn = ns[s.pg[0]]
         fn.__doc__ = f"torch.distributed's {s.pg[0]} on streamcoll's {s.name}."

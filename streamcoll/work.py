@@ -23,11 +23,9 @@ import torch
 from . import helper_threads
 from .callbacks import Future
 from .errors import CollectiveTimeout, CommunicatorError
+from .timeouts import seconds as _seconds  # the one check of timeout arguments
 
 
-def _seconds(timeout: Any) -> float:
-    from .communicator import _seconds as seconds  # the one check of timeout arguments
-    return seconds(timeout)
 
 __all__ = ["Work", "PostedWork", "Reaper", "POSTING", "launch_posted"]
 

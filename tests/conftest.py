@@ -15,10 +15,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-os.environ.setdefault("CCL_KVS_IFACE", "lo")
-os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-
+# No environment is set here: tests run with the user's environment, and a
+# rank gets what torchrun would give it (world.TORCHRUN_ENV, world.rank_env);
+# a test about a variable sets it itself (monkeypatch, or a child's env).
 from world import World  # noqa: E402
 
 
@@ -41,6 +40,19 @@ def _sweep_stale_shm() -> None:
 
 
 _sweep_stale_shm()
+
+
+@pytest.fixture(autouse=True)
+def _users_environment():
+    """Every test starts from the environment the session started with (the
+    user's): what a test sets, or what an in-process ``streamcoll.init``
+    applies as its defaults (``streamcoll.env``), is undone after it, so no
+    test runs with another test's variables."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _loads(name: str):
@@ -69,6 +81,14 @@ def _has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # A module may leave some of its tests out of the run (test_torch_dist_suite:
+    # PyTorch's tests outside the CI subset): deselected, so that the summary's
+    # skips are only tests that cannot run here.
+    left_out = [i for i in items if getattr(getattr(i, "module", None), "deselected", lambda _: False)(i)]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        out = set(map(id, left_out))
+        items[:] = [i for i in items if id(i) not in out]
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU (none here)")
     has_cuda = _has_cuda()
     for item in items:

@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from world import LOOPBACK_ENV, free_port, kill_sessions  # noqa: E402
+from world import TORCHRUN_ENV, free_port, kill_sessions  # noqa: E402
 
 NATIVE_PREFIXES = ("CCL_", "FI_", "NCCL_")
 
@@ -139,7 +139,7 @@ if __name__ != "__main__":
         """The test process's environment without any native library's
         variable (the suite sets CCL_KVS_IFACE=lo), plus ``extra``."""
         e = {k: v for k, v in os.environ.items() if not k.startswith(NATIVE_PREFIXES)}
-        e.update({k: v for k, v in LOOPBACK_ENV.items() if not k.startswith(NATIVE_PREFIXES)})
+        e.update({k: v for k, v in TORCHRUN_ENV.items() if not k.startswith(NATIVE_PREFIXES)})
         e.update(extra or {})
         return e
 

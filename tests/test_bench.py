@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from conftest import needs_oneccl
-from world import LOOPBACK_ENV, free_port
+from world import TORCHRUN_ENV, free_port
 
 from streamcoll.bench.cases import batches, exact_limit
 from streamcoll.bench.metrics import Stats, algbw, bus_factor, busbw, summarise
@@ -207,7 +207,7 @@ def test_table_cases_run_and_check_at_world_size_1():
 # ---------------------------------------------------------------- real runs
 def _env():
     e = dict(os.environ)
-    e.update(LOOPBACK_ENV)
+    e.update(TORCHRUN_ENV)
     e["GLOO_SOCKET_IFNAME"] = "lo"
     e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
     return e

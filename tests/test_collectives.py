@@ -444,8 +444,10 @@ def w_futures_and_lifetime(comm):
     w3 = streamcoll.all_reduce(torch.ones(3), async_op=True)
     chained = w3.get_future().then(lambda f: f.value()[0].sum().item())
     assert chained.wait() == 3.0 * size
-    # Lifetime: drop every reference to the async op's tensors, allocate new
-    # ones, results still right.
+    # The Work holds its outputs (result() hands them back): dropping the
+    # caller's references to the tensors frees nothing while it lives. What
+    # keeps the buffers of a call whose Work is dropped too is tested in
+    # tests/test_streams.py::test_async_results_survive_dropped_tensors.
     import gc
     results = []
     works = []

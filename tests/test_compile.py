@@ -54,6 +54,31 @@ def _data(rank: int, steps: int):
     return [(torch.randn(3, 4, generator=g), torch.randn(3, 2, generator=g)) for _ in range(steps)]
 
 
+def _reference_params(size: int, steps: int):
+    """The parameters after ``steps`` data-parallel steps over ``size`` ranks,
+    computed in one process with plain torch and no collective: every rank's
+    gradient on its own data (each rank's data is reproducible anywhere,
+    :func:`_data`), averaged with ``torch.stack(...).mean(0)``, applied as
+    :func:`_make_step` does. An independent reference: an all_reduce that
+    sums instead of averaging, or reduces with MAX, leaves the ranks equal
+    to each other and to eager streamcoll, but not to this."""
+    model = _model()
+    params = list(model.parameters())
+    data = [_data(k, steps) for k in range(size)]
+    for i in range(steps):
+        grads = []
+        for k in range(size):
+            x, y = data[k][i]
+            model.zero_grad(set_to_none=True)
+            (model(x) - y).pow(2).mean().backward()
+            grads.append([p.grad.detach().clone() for p in params])
+        with torch.no_grad():
+            for j, p in enumerate(params):
+                p.sub_(0.1 * torch.stack([g[j] for g in grads]).mean(0))
+                p.grad = None
+    return [p.detach().clone() for p in params]
+
+
 def _compiled_vs_eager(comm, async_op: bool, backend: str, steps: int):
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -94,6 +119,7 @@ def _compiled_vs_eager(comm, async_op: bool, backend: str, steps: int):
             "losses": losses,
             "eager_params": [p.detach().clone() for p in eager_model.parameters()],
             "params": [p.detach().clone() for p in model.parameters()],
+            "reference_params": _reference_params(comm.size, steps),
         }
     finally:
         torch._dynamo.config.trace_autograd_ops = old_trace
@@ -274,10 +300,17 @@ def _check_compiled(res, exact: bool):
             for a, b in zip(out["params"], out["eager_params"]):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     # The gradients really were averaged: every rank ends with the same
-    # parameters although each saw different data.
+    # parameters although each saw different data, and those are the
+    # parameters of the single-process reference (plain torch, no
+    # collective; float tolerance: its mean adds in another order).
     for a, b in zip(res[0]["params"], res[1]["params"]):
         assert torch.equal(a, b)
     assert res[0]["losses"] != res[1]["losses"]
+    for r, out in enumerate(res):
+        for which in ("params", "eager_params"):
+            for a, b in zip(out[which], out["reference_params"]):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"rank {r} {which} differ from the reference: {m}")
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from world import LOOPBACK_ENV, free_port, kill_sessions  # noqa: E402
+from world import TORCHRUN_ENV, free_port, kill_sessions  # noqa: E402
 
 
 # ============================================================ rank scenarios
@@ -429,7 +429,7 @@ class Ranks:
         self.ended: Dict[int, float] = {}
         for r in range(size):
             e = dict(os.environ)
-            e.update(LOOPBACK_ENV)
+            e.update(TORCHRUN_ENV)
             e.update({"RANK": str(r), "WORLD_SIZE": str(size), "LOCAL_RANK": str(r),
                       "LOCAL_WORLD_SIZE": str(size), "MASTER_PORT": str(port), "FAILURE_OUT": self.dir,
                       "STREAMCOLL_FLIGHT_DIR": os.path.join(self.dir, "flight"),

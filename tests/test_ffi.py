@@ -116,8 +116,9 @@ result = {}
 c = streamcoll.new_communicator(backend="oneccl", device="cpu", rank=0, world_size=1, store=dist.HashStore())
 result["rank_size"] = (c.rank, c.size)
 x = torch.arange(4, dtype=torch.float32)
-c.all_reduce(x)
-result["all_reduce"] = x.tolist()
+y = torch.full((4,), -1.0)  # out of place: a one-rank in-place all_reduce returns its input, run or not
+c.all_gather_into_tensor(y, x)
+result["all_gather"] = y.tolist()
 b = get_backend("oneccl")
 try:  # first failure of the process: oneCCL's last error is global and sticky
     b.query(ONECCL.ffi.NULL, "count")
@@ -147,7 +148,7 @@ def oneccl_errors():
 @needs_oneccl
 def test_one_rank_oneccl_communicator_without_a_launcher(oneccl_errors):
     assert oneccl_errors["rank_size"] == (0, 1)
-    assert oneccl_errors["all_reduce"] == [0.0, 1.0, 2.0, 3.0]
+    assert oneccl_errors["all_gather"] == [0.0, 1.0, 2.0, 3.0]
     assert oneccl_errors["count_after"] == 1  # the failures left the communicator usable
 
 

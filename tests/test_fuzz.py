@@ -472,11 +472,54 @@ def calls(draw, fn: str, n: int):
     return c
 
 
+def faults(c: Dict[str, Any], n: int) -> List[str]:
+    """The faults the generator put into call ``c`` (empty: a valid call,
+    which must go through and match the reference). Decided from what was
+    generated, never from what the library accepts: a dtype of ``DTYPES``
+    is one every backend must take, so a backend that loses one fails here
+    instead of counting its refusal as a right answer. A drawn fault that
+    happens to leave the argument valid (a "non-contiguous" tensor of one
+    element) still counts as a fault: such calls are checked either way."""
+    out: List[str] = []
+    if c.get("group_fault") is not None:
+        out.append("group")
+    for name, ts in (c.get("tensors") or {}).items():
+        if ts.get("fault") not in (None, "numpy"):  # numpy arrays are valid CPU buffers (README)
+            out.append(f"{name}:{ts['fault']}")
+    for name, lst in (c.get("lists") or {}).items():
+        if len(lst) != n:
+            out.append(f"{name}:length")
+        out += [f"{name}[{j}]:{x['fault']}" for j, x in enumerate(lst) if x.get("fault") is not None]
+    out += [f"{name}:{v[0]}" for name, v in (c.get("ranks") or {}).items() if not isinstance(v, int)]
+    if c.get("peer") is not None:
+        out.append(f"peer:{c['peer'][0]}")
+    if c.get("p2p_op", "ok") != "ok":
+        out.append(f"p2p_op:{c['p2p_op']}")
+    if c.get("empty"):
+        out.append("empty p2p_op_list")
+    if c.get("split_fault"):
+        out.append(f"splits:{c['split_fault']}")
+    if c["fn"] in spec.TABLE:
+        s = spec.TABLE[c["fn"]]
+        shapes = c.get("shapes") or {}
+        for buf, rel, other in s.sizes:
+            if rel == "size*" and _numel(shapes[buf]) != n * _numel(shapes[other]):
+                out.append(f"{buf}:size")
+        if s.reduces:
+            first = s.buffers[0].name
+            dtype = (c["tensors"][first] if first in c["tensors"] else c["lists"][first][0])["dtype"]
+            why = _rejected(c["op"], getattr(torch, dtype))
+            if why:
+                out.append(f"op:{why}")
+    return out
+
+
 # ======================================================== the test
 @pytest.mark.parametrize("fn", FNS)
 def test_fuzz_public_collectives(world3, fn):
     n = world3.size
     outcomes: List[Dict[str, Any]] = []
+    valid: List[Dict[str, Any]] = []
 
     @settings(max_examples=25, derandomize=True, database=None, deadline=None, print_blob=True,
               suppress_health_check=list(HealthCheck))
@@ -485,9 +528,14 @@ def test_fuzz_public_collectives(world3, fn):
         res = world3.run(run_spec, call, timeout=60)
         kinds = {(x["outcome"], x.get("type"), x.get("arg")) for x in res if not x.get("idle")}
         assert len(kinds) == 1, f"ranks disagree on {call}: {res}"
+        if not faults(call, n):
+            # No fault: it must go through (and run_spec checked the values against the reference).
+            assert kinds == {("ok", None, None)}, f"a valid call was refused: {call}: {res}"
+            valid.append(call)
         outcomes.append(res[0])
 
     one()
+    assert valid, f"{fn}: no valid call among the generated ones"
     # Both branches were exercised: some calls went through, some were rejected
     # (a collective without parameters, barrier, can only go through).
     got = {o["outcome"] for o in outcomes}

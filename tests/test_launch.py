@@ -132,6 +132,46 @@ def test_synchronous_calls_enter_one_python_frame(monkeypatch):
 
 
 @needs_oneccl
+def test_process_group_calls_take_the_fast_path(monkeypatch):
+    """Issue 25: ``ProcessGroupStreamcoll.allreduce`` (what ``dist.all_reduce``
+    on the "streamcoll" backend calls) reaches the communicator's generated
+    fast path: four frames of streamcoll's in all (the generated method,
+    ``_op``, the fast path, the Work). Before, every call took the general
+    planner (about 25 frames): ``AllreduceOptions.reduceOp`` is a new
+    unhashable object on every access, which no fast path recognised."""
+    monkeypatch.setenv("STREAMCOLL_WATCHDOG", "off")
+    from streamcoll.process_group import ProcessGroupStreamcoll, StreamcollWork
+    pg = ProcessGroupStreamcoll(dist.HashStore(), 0, 1)
+    try:
+        x = torch.ones(4)
+        for name in ("SUM", "MAX", "AVG"):
+            o = dist.AllreduceOptions()
+            o.reduceOp = getattr(dist.ReduceOp, name)
+            o.asyncOp = False
+            pg.allreduce([x], o).wait()  # the first call makes the communicator
+            assert _frames(pg.allreduce, [x], o) == 4, name
+            assert torch.equal(x, torch.ones(4))
+        w = pg.allreduce([x], o)
+        assert isinstance(w, StreamcollWork) and w.wait() and w.result() == [x]
+        b = dist.BroadcastOptions()
+        b.asyncOp = False
+        assert _frames(pg.broadcast, [x], b) <= 4
+        o.asyncOp = True
+        w = pg.allreduce([x], o)
+        assert w.wait() and torch.equal(x, torch.ones(4))
+        # a PREMUL_SUM carries its factor: the general path, the right value
+        o = dist.AllreduceOptions()
+        o.reduceOp = dist._make_nccl_premul_sum(0.5)
+        o.asyncOp = False
+        pg.allreduce([x], o).wait()
+        assert torch.equal(x, torch.full((4,), 0.5))
+    finally:
+        pg.shutdown() if hasattr(pg, "shutdown") else None
+        for c in list(pg._comms.values()):
+            c.destroy()
+
+
+@needs_oneccl
 def test_fast_paths_follow_hooks_coalescing_failure_and_destroy(monkeypatch):
     monkeypatch.setenv("STREAMCOLL_WATCHDOG", "off")
     c = _comm(name="elig")

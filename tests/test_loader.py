@@ -28,6 +28,7 @@ from streamcoll._ffi import oneccl as oneccl_mod
 from streamcoll.errors import LibraryNotFoundError
 
 from conftest import needs_nccl, needs_oneccl
+from world import TORCHRUN_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 PKG = Path(streamcoll.__file__).resolve().parent
@@ -53,11 +54,10 @@ sys.modules["streamcoll"] = _pkg
 
 def child_env(extra: Optional[Dict[str, str]] = None, drop_prefixes=("CCL_", "FI_", "NCCL_", "STREAMCOLL_")) -> Dict[str, str]:
     """This process's environment without library settings other tests may
-    have left, plus loopback-only networking and ``extra``."""
+    have left, plus what torchrun gives a rank (world.TORCHRUN_ENV) and ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop_prefixes)}
     env.pop("LD_LIBRARY_PATH", None)
-    env.update({"PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "CCL_KVS_IFACE": "lo",
-                "NCCL_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+    env.update(TORCHRUN_ENV, PYTHONPATH=str(REPO))
     env.update(extra or {})
     return env
 

@@ -203,18 +203,18 @@ if __name__ != "__main__":
 
     import netns
     from conftest import needs_oneccl
-    from world import kill_sessions
+    from world import Processes
 
     _WHY = netns.unavailable()
     pytestmark = [needs_oneccl, pytest.mark.multihost, pytest.mark.world,
                   pytest.mark.skipif(_WHY is not None, reason=f"simulated hosts unavailable: {_WHY}")]
 
-    class Run:
+    class Run(Processes):
         """One world on two simulated hosts, watched until every host ends."""
 
         def __init__(self, tmp, hosts: "netns.Hosts", per_host, scenario: str, torchrun: bool = False,
                      env: Optional[Dict[str, str]] = None) -> None:
-            self.dir = str(tmp)
+            super().__init__(str(tmp))
             self.layout = [per_host] * 2 if isinstance(per_host, int) else list(per_host)
             self.host_of = [h for h, n in enumerate(self.layout) for _ in range(n)]
             self.flight_dir = os.path.join(self.dir, "flight")
@@ -224,7 +224,6 @@ if __name__ != "__main__":
                     "STREAMCOLL_FLIGHT_DIR": self.flight_dir, "PYTHONPATH": os.pathsep.join(
                         p for p in (os.path.dirname(HERE), os.environ.get("PYTHONPATH")) if p)}
             base.update(env or {})
-            self.procs = []
             for g in range(2):
                 if torchrun:
                     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(g),
@@ -232,30 +231,10 @@ if __name__ != "__main__":
                             str(port), "--monitor-interval", "0.1", __file__, "rank", scenario]
                 else:
                     argv = [sys.executable, __file__, "host", ",".join(map(str, self.layout)), str(g), scenario]
-                with open(os.path.join(self.dir, f"host{g}.log"), "w") as log:
-                    self.procs.append(subprocess.Popen(hosts.command(g, argv), env=netns.clean_env(base),
-                                                       stdout=log, stderr=subprocess.STDOUT,
-                                                       start_new_session=True))
+                self.start(hosts.command(g, argv), netns.clean_env(base), f"host{g}.log")
             self.torchrun = torchrun
-            self.ended: Dict[int, float] = {}
 
-        def wait(self, timeout: float) -> None:
-            deadline = time.monotonic() + timeout
-            while len(self.ended) < 2 and time.monotonic() < deadline:
-                for g, p in enumerate(self.procs):
-                    if g not in self.ended and p.poll() is not None:
-                        self.ended[g] = time.time()
-                time.sleep(0.05)
-
-        def kill(self) -> None:
-            kill_sessions(self.procs)
-
-        def result(self, r: int) -> dict:
-            path = os.path.join(self.dir, f"rank{r}.json")
-            if not os.path.exists(path):
-                return {}
-            with open(path) as f:
-                return json.load(f)
+        wait = Processes.wait_all
 
         def rank_end(self, r: int) -> Optional[list]:
             """(time, exit status) of rank ``r`` from its host's launcher."""

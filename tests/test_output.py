@@ -35,7 +35,6 @@ def test_nothing_on_stdout_from_the_library(level, tmp_path):
     env.pop("CCL_LOG_LEVEL", None)
     if level:
         env["CCL_LOG_LEVEL"] = level
-    env.setdefault("CCL_KVS_IFACE", "lo")
     p = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True,
                        timeout=120, cwd=str(tmp_path))  # cwd: streamcoll from PYTHONPATH/site, not ./
     assert p.returncode == 0, p.stderr
@@ -79,12 +78,12 @@ def test_two_rank_gather_prints_no_ccl_error(tmp_path):
     """oneCCL prints ``not completed event is destroyed`` for each Send/Recv
     issued in a group; a rank with a single transfer now issues it ungrouped
     (before: one line per gather and rank at 2 ranks)."""
-    from world import LOOPBACK_ENV, free_port
+    from world import TORCHRUN_ENV, free_port
     port = free_port()
     procs = []
     for r in range(2):
         env = dict(os.environ)
-        env.update(LOOPBACK_ENV)
+        env.update(TORCHRUN_ENV)
         env.update(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2", MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, "-c", _GATHER], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, cwd=str(tmp_path), start_new_session=True))

@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from world import LOOPBACK_ENV, free_port, kill_sessions  # noqa: E402
+from world import Processes  # noqa: E402
 
 EXIT_CODE = 86  # streamcoll.watchdog.EXIT_CODE (checked below)
 
@@ -171,55 +171,21 @@ if __name__ != "__main__":
 
     pytestmark = [needs_oneccl, pytest.mark.world]
 
-    class Ranks:
+    class Ranks(Processes):
         """Rank processes of one scenario, watched until they end."""
 
         def __init__(self, scenario: str, size: int, tmp, env: Optional[dict] = None) -> None:
-            self.dir = str(tmp)
+            super().__init__(str(tmp))
             self.flight_dir = os.path.join(self.dir, "flight")
             os.makedirs(self.flight_dir)
-            port = free_port()
-            self.procs: List[subprocess.Popen] = []
-            self.ended: Dict[int, float] = {}
             self.started = time.time()
-            for r in range(size):
-                e = dict(os.environ)
-                e.update(LOOPBACK_ENV)
-                e.update({"RANK": str(r), "WORLD_SIZE": str(size), "LOCAL_RANK": str(r),
-                          "LOCAL_WORLD_SIZE": str(size), "MASTER_PORT": str(port),
-                          "RELIABILITY_OUT": self.dir, "STREAMCOLL_FLIGHT_DIR": self.flight_dir})
-                e.update(env or {})
-                out = open(os.path.join(self.dir, f"stdout{r}"), "w")
-                err = open(os.path.join(self.dir, f"stderr{r}"), "w")
-                self.procs.append(subprocess.Popen([sys.executable, __file__, scenario], env=e, stdout=out,
-                                                   stderr=err, start_new_session=True))
-                out.close()
-                err.close()
+            self.start_ranks([sys.executable, __file__, scenario], size,
+                             dict({"RELIABILITY_OUT": self.dir, "STREAMCOLL_FLIGHT_DIR": self.flight_dir}, **(env or {})))
 
-        def wait(self, timeout: float) -> None:
-            deadline = time.monotonic() + timeout
-            while len(self.ended) < len(self.procs) and time.monotonic() < deadline:
-                for r, p in enumerate(self.procs):
-                    if r not in self.ended and p.poll() is not None:
-                        self.ended[r] = time.time()
-                time.sleep(0.05)
-
-        def kill(self) -> None:
-            kill_sessions(self.procs)
-
-        def rc(self, r: int) -> Optional[int]:
-            return self.procs[r].returncode
+        wait = Processes.wait_all
 
         def stderr(self, r: int) -> str:
-            with open(os.path.join(self.dir, f"stderr{r}")) as f:
-                return f.read()
-
-        def result(self, r: int) -> dict:
-            path = os.path.join(self.dir, f"rank{r}.json")
-            if not os.path.exists(path):
-                return {}
-            with open(path) as f:
-                return json.load(f)
+            return self.text(f"stderr{r}")
 
         def describe(self) -> str:
             return "\n".join(f"--- rank {r}: exit {self.rc(r)}\n{self.stderr(r)[-3000:]}"

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import needs_oneccl
-from world import LOOPBACK_ENV, free_port
+from world import TORCHRUN_ENV, bare_env, free_port
 
 pytestmark = [needs_oneccl, pytest.mark.world]
 
@@ -30,7 +30,7 @@ except streamcoll.CollectiveError as e:
 
 def _run(tmp_path, rank: int, world: int, timeout: float, port: int):
     env = dict(os.environ)
-    env.update(LOOPBACK_ENV)
+    env.update(TORCHRUN_ENV)
     env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                MASTER_PORT=str(port))
     t0 = time.monotonic()
@@ -88,7 +88,7 @@ def test_world_size_disagreeing_with_torchrun(tmp_path):
     script = tmp_path / "ws3.py"
     script.write_text(_TORCHRUN)
     env = dict(os.environ)
-    env.update(LOOPBACK_ENV)
+    env.update(TORCHRUN_ENV)
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                         "--master-port", str(free_port()), str(script)], env=env, capture_output=True,
@@ -129,7 +129,7 @@ def test_torchrun_agent_store_and_quiet_stdout(tmp_path):
     script = tmp_path / "ok.py"
     script.write_text(_TORCHRUN_OK)
     env = dict(os.environ)
-    env.update(LOOPBACK_ENV)
+    env.update(TORCHRUN_ENV)
     env.pop("CCL_LOG_LEVEL", None)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                         "--master-port", str(free_port()), str(script)], env=env, capture_output=True,
@@ -157,7 +157,7 @@ def test_init_keeps_the_timeout_of_torchs_store(tmp_path):
     (shared with the other backends, which read their unique ids through it)
     at 7 s: the communicator's PrefixStore passed ``set_timeout`` through."""
     env = dict(os.environ)
-    env.update(LOOPBACK_ENV)
+    env.update(TORCHRUN_ENV)
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_PORT=str(free_port()))
     p = subprocess.run([sys.executable, "-c", _KEEPS_TIMEOUT], env=env, capture_output=True, text=True,
                        timeout=120, cwd=str(tmp_path))
@@ -210,7 +210,7 @@ def test_subgroups_derive_their_topology(tmp_path):
     procs = []
     for r in range(3):
         env = dict(os.environ)
-        env.update(LOOPBACK_ENV)
+        env.update(TORCHRUN_ENV)
         env.update(RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="3", MASTER_PORT=str(port),
                    RES_OPTIONS="use-vc")
         procs.append(subprocess.Popen([sys.executable, "-c", _SUBGROUPS, str(port)], env=env, cwd=str(tmp_path),
@@ -235,3 +235,33 @@ def test_subgroups_derive_their_topology(tmp_path):
     assert [g["split"] for g in got] == [0, 0, 0], got
     assert got[0]["split_topology"] == [2, 0, [[0, 1]], 0] and got[2]["split_topology"] == [2, 1, [[0, 1]], 1]
     assert got[1]["split_topology"] == [1, 0, [[0]], 0], got
+
+
+_TORCHRUN_BARE = r"""
+import os, torch, streamcoll
+from streamcoll import env
+c = streamcoll.init(backend="oneccl", device="cpu", timeout=60)
+t = torch.full((3,), float(c.rank + 1))
+c.all_reduce(t, op=streamcoll.ReduceOp.AVG)
+w = c.all_reduce(torch.full((2,), float(c.rank)), async_op=True)
+w.wait()
+os.write(1, (f"rank {c.rank}: {t.tolist()} {w.result()[0].tolist()} "
+             f"kvs={os.environ.get('CCL_KVS_IFACE')} applied={env.APPLIED.get('CCL_KVS_IFACE')}\n").encode())
+streamcoll.destroy()
+"""
+
+
+def test_torchrun_job_with_none_of_the_suites_variables(tmp_path):
+    """A user's job: ``torchrun --nproc-per-node 2`` from an environment with
+    no MASTER_ADDR, CCL_KVS_IFACE, NCCL_SOCKET_IFNAME or OMP_NUM_THREADS
+    (world.bare_env). streamcoll's own single-host default chooses the
+    oneCCL interface (``CCL_KVS_IFACE=lo``, applied by streamcoll.env), and
+    the values are right."""
+    script = tmp_path / "bare.py"
+    script.write_text(_TORCHRUN_BARE)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(free_port()), str(script)], env=bare_env(), capture_output=True,
+                       text=True, timeout=120, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(line for line in p.stdout.splitlines() if line.startswith("rank ")) == [
+        f"rank {r}: [1.5, 1.5, 1.5] [1.0, 1.0] kvs=lo applied=lo" for r in range(2)], (p.stdout, p.stderr)

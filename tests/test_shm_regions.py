@@ -30,7 +30,7 @@ ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from world import LOOPBACK_ENV, free_port  # noqa: E402
+from world import TORCHRUN_ENV, free_port  # noqa: E402
 
 PID_BASE = 300   # rank r of every job gets pid PID_BASE + r in its PID namespace
 
@@ -103,7 +103,7 @@ def _launch(scenario: str, size: int, out: str, port: int) -> None:
     for r in range(size):
         with open("/proc/sys/kernel/ns_last_pid", "w") as f:
             f.write(str(PID_BASE + r - 1))
-        env = dict(os.environ, **LOOPBACK_ENV, RANK=str(r), WORLD_SIZE=str(size), LOCAL_RANK=str(r),
+        env = dict(os.environ, **TORCHRUN_ENV, RANK=str(r), WORLD_SIZE=str(size), LOCAL_RANK=str(r),
                    LOCAL_WORLD_SIZE=str(size), MASTER_PORT=str(port), SHM_SCENARIO=scenario, SHM_OUT=out)
         err = open(os.path.join(out, f"stderr{r}"), "w")
         procs.append(subprocess.Popen([sys.executable, __file__, "rank"], env=env, stderr=err, stdout=err))
@@ -327,7 +327,7 @@ if __name__ != "__main__":
                 "import json\n"
                 "print(json.dumps(sorted({l.split()[-1] for l in open('/proc/self/maps') if '/dev/shm/%d:' % os.getpid() in l})))\n"
                 "watchdog.skip_native_teardown()\n")
-        env = dict(os.environ, **LOOPBACK_ENV, MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0",
+        env = dict(os.environ, **TORCHRUN_ENV, MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0",
                    PYTHONPATH=ROOT)
         p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
         assert p.returncode == 0, p.stderr[-3000:]

@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from world import LOOPBACK_ENV, free_port, kill_sessions  # noqa: E402
+from world import Processes  # noqa: E402
 
 
 def _out(name: str, data: dict) -> None:
@@ -122,31 +122,10 @@ if __name__ != "__main__":
 
     pytestmark = [needs_oneccl, pytest.mark.world]
 
-    class Ranks:
+    class Ranks(Processes):
         def __init__(self, scenario: str, size: int, tmp, env: Optional[dict] = None) -> None:
-            self.dir = str(tmp)
-            port = free_port()
-            self.procs: List[subprocess.Popen] = []
-            self.ended: Dict[int, float] = {}
-            for r in range(size):
-                e = dict(os.environ)
-                e.update(LOOPBACK_ENV)
-                e.update({"RANK": str(r), "WORLD_SIZE": str(size), "LOCAL_RANK": str(r),
-                          "LOCAL_WORLD_SIZE": str(size), "MASTER_PORT": str(port), "SIGNALS_OUT": self.dir})
-                e.update(env or {})
-                out = open(os.path.join(self.dir, f"stdout{r}"), "w")
-                err = open(os.path.join(self.dir, f"stderr{r}"), "w")
-                self.procs.append(subprocess.Popen([sys.executable, __file__, scenario], env=e, stdout=out,
-                                                   stderr=err, start_new_session=True))
-                out.close()
-                err.close()
-
-        def result(self, r: int) -> dict:
-            path = os.path.join(self.dir, f"rank{r}.json")
-            if not os.path.exists(path):
-                return {}
-            with open(path) as f:
-                return json.load(f)
+            super().__init__(str(tmp))
+            self.start_ranks([sys.executable, __file__, scenario], size, dict(env or {}, SIGNALS_OUT=self.dir))
 
         def until(self, r: int, key: str, timeout: float = 90) -> float:
             deadline = time.monotonic() + timeout
@@ -168,15 +147,8 @@ if __name__ != "__main__":
                 return None
             return time.monotonic() - t0
 
-        def kill(self) -> None:
-            kill_sessions(self.procs)
-
-        def text(self, what: str, r: int) -> str:
-            with open(os.path.join(self.dir, f"{what}{r}")) as f:
-                return f.read()
-
         def describe(self) -> str:
-            return "\n".join(f"--- rank {r}: exit {p.returncode}\n{self.text('stderr', r)[-3000:]}"
+            return "\n".join(f"--- rank {r}: exit {p.returncode}\n{self.text(f'stderr{r}')[-3000:]}"
                              for r, p in enumerate(self.procs))
 
     def test_ctrl_c_between_calls_raises_keyboard_interrupt(tmp_path):
@@ -198,7 +170,7 @@ if __name__ != "__main__":
         res = ranks.result(0)
         assert res["sum"] == 2.0, res
         assert res.get("keyboard_interrupt") and res.get("finally") and res.get("atexit"), (res, info)
-        assert "KeyboardInterrupt" in ranks.text("stderr", 0), info
+        assert "KeyboardInterrupt" in ranks.text("stderr0"), info
         assert ranks.procs[1].returncode == -signal.SIGTERM, info
         # oneCCL's handlers stay for the fatal signals (its crash report), Python's SIGINT handler is back.
         assert {"SIGSEGV", "SIGBUS", "SIGABRT", "SIGINT"} <= set(res["caught"]), res
@@ -231,7 +203,7 @@ if __name__ != "__main__":
         info = ranks.describe()
         assert took is not None, info
         assert ranks.procs[0].returncode == 130, info
-        err = ranks.text("stderr", 0)
+        err = ranks.text("stderr0")
         assert "streamcoll: SIGINT received" in err, info
         assert "all_reduce (sequence number 2, synchronous) on communicator 'default' (rank 0 of 2, oneccl" in err, info
         assert "exit code 130" in err, info

@@ -280,3 +280,18 @@ def test_fields_added_to_the_dataclasses_travel():
     f = _facts(3, cpus=(0, 1, 2, 3, 8, 10, 11))
     assert '"cpus":"0..3,8,10..11"' in f.to_json() and RankFacts.from_json(f.to_json()) == f
     assert topology.parse_runs(topology.run_text((5, 6, 7, 1, -2, -1))) == (5, 6, 7, 1, -2, -1)
+
+
+
+
+def test_namespace_probe_names_what_is_missing(monkeypatch):
+    """The multihost tier's skip reason names the missing tool, then root."""
+    import shutil
+
+    import netns
+    which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda t: None if t == "unshare" else which(t) or f"/usr/bin/{t}")
+    assert netns.unavailable() == "`unshare` is not installed"
+    monkeypatch.setattr(shutil, "which", lambda t: which(t) or f"/usr/bin/{t}")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert netns.unavailable() == "creating network namespaces needs root (ip netns add)"

@@ -35,8 +35,12 @@ def test_stream_on_the_cpu(comm):
         comm.all_reduce(t, stream="s")
     with pytest.raises(TypeError, match="stream: broadcast"):
         comm.broadcast(t, 0, stream=object())
-    comm.all_reduce(t)  # nothing was issued by the rejected calls
-    assert comm.failure is None and t.tolist() == [1.0, 1.0]
+    # nothing was issued by the rejected calls: a real collective still works.
+    # Out of place (a one-rank all_reduce in place returns its input whether
+    # or not anything ran): the poisoned output must receive the input.
+    out = torch.full((2,), -1.0)
+    comm.all_gather_into_tensor(out, torch.tensor([1.0, 2.0]))
+    assert comm.failure is None and out.tolist() == [1.0, 2.0]
 
 
 @pytest.mark.parametrize("bad", [-1, 0, float("nan"), float("inf")])
@@ -102,9 +106,9 @@ def test_short_wait_on_a_slow_call_does_not_fail_the_communicator():
         assert "still running (slow, not declared stuck)" in str(e) and "stays usable" in str(e), e
         assert "never returns" not in str(e)
         assert w.wait() is True
-        t = torch.ones(2)
-        c.all_reduce(t)
-        assert t.tolist() == [1.0, 1.0]
+        out = torch.full((2,), -1.0)  # out of place: a one-rank in-place all_reduce proves nothing
+        c.all_gather_into_tensor(out, torch.tensor([1.0, 2.0]))
+        assert out.tolist() == [1.0, 2.0]
     finally:
         c.destroy()
 

@@ -14,17 +14,40 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
-LOOPBACK_ENV = {
+# What torchrun puts in every rank's environment besides the rank variables,
+# with its defaults (torch/distributed/run.py: --master-addr 127.0.0.1;
+# OMP_NUM_THREADS=1 for more than one process per node unless set). Nothing
+# else: the interfaces (CCL_KVS_IFACE, NCCL_SOCKET_IFNAME, ...) are
+# streamcoll's own defaults to choose, as they are for a user.
+TORCHRUN_ENV = {
     "MASTER_ADDR": "127.0.0.1",
-    "CCL_KVS_IFACE": "lo",
-    "NCCL_SOCKET_IFNAME": "lo",
     "OMP_NUM_THREADS": "1",
 }
+
+
+# The variables earlier versions of this suite set for every test; a user's
+# shell and torchrun set none of them (OMP_NUM_THREADS: torchrun sets it in
+# the ranks, not in the launcher's environment).
+SUITE_ONLY = ("MASTER_ADDR", "MASTER_PORT", "CCL_KVS_IFACE", "NCCL_SOCKET_IFNAME", "OMP_NUM_THREADS")
+
+
+def bare_env() -> Dict[str, str]:
+    """This process's environment without :data:`SUITE_ONLY`: what a user's
+    ``torchrun`` starts from."""
+    return {k: v for k, v in os.environ.items() if k not in SUITE_ONLY}
+
+
+def rank_env(rank: int, size: int, port: int) -> Dict[str, str]:
+    """The variables torchrun gives rank ``rank`` of a one-node job of
+    ``size`` ranks with its store at ``port``."""
+    return dict(TORCHRUN_ENV, RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(size), GROUP_RANK="0", MASTER_PORT=str(port))
 
 
 def free_port() -> int:
@@ -46,6 +69,75 @@ def kill_sessions(procs: List[Any]) -> None:
             p.wait(10)
 
 
+class Processes:
+    """Subprocesses of one test, each in a session of its own (so
+    :func:`kill_sessions` ends it with all it started), logging to files in
+    ``dir``, watched until they end: the one spawner of the subprocess
+    harnesses (test_signals, test_reliability: ranks; test_multihost: one
+    launcher per simulated host). ``ended[i]`` is the wall-clock time
+    process ``i`` was seen to end; ``rank<r>.json`` in ``dir`` is what
+    rank ``r`` reported (:meth:`result`)."""
+
+    def __init__(self, dir: str) -> None:
+        self.dir = str(dir)
+        self.procs: List[subprocess.Popen] = []
+        self.ended: Dict[int, float] = {}
+
+    def start(self, argv: List[str], env: Dict[str, str], stdout: str, stderr: Optional[str] = None
+              ) -> subprocess.Popen:
+        """Start ``argv`` with exactly ``env``; its output goes to ``dir/stdout``
+        (and ``dir/stderr``; None: both into the first)."""
+        out = open(os.path.join(self.dir, stdout), "w")
+        err = open(os.path.join(self.dir, stderr), "w") if stderr else None
+        try:
+            p = subprocess.Popen(argv, env=env, stdout=out, stderr=err or subprocess.STDOUT,
+                                 start_new_session=True)
+        finally:
+            out.close()
+            if err is not None:
+                err.close()
+        self.procs.append(p)
+        return p
+
+    def start_ranks(self, argv: List[str], size: int, env: Optional[Dict[str, str]] = None) -> None:
+        """``size`` ranks of ``argv`` on this host, each with this process's
+        environment plus what torchrun gives it (:func:`rank_env`) and
+        ``env``; rank r logs to ``stdout<r>`` and ``stderr<r>``."""
+        port = free_port()
+        for r in range(size):
+            e = dict(os.environ)
+            e.update(rank_env(r, size, port))
+            e.update(env or {})
+            self.start(argv, e, f"stdout{r}", f"stderr{r}")
+
+    def wait_all(self, timeout: float) -> None:
+        """Until every process ended or ``timeout`` seconds passed."""
+        deadline = time.monotonic() + timeout
+        while len(self.ended) < len(self.procs) and time.monotonic() < deadline:
+            for i, p in enumerate(self.procs):
+                if i not in self.ended and p.poll() is not None:
+                    self.ended[i] = time.time()
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        kill_sessions(self.procs)
+
+    def rc(self, i: int) -> Optional[int]:
+        return self.procs[i].returncode
+
+    def text(self, name: str) -> str:
+        with open(os.path.join(self.dir, name)) as f:
+            return f.read()
+
+    def result(self, r: int) -> dict:
+        import json
+        path = os.path.join(self.dir, f"rank{r}.json")
+        if not os.path.exists(path):
+            return {}
+        with open(path) as f:
+            return json.load(f)
+
+
 class ChildError(AssertionError):
     """An exception raised on a rank, with its traceback."""
 
@@ -54,9 +146,8 @@ def _worker(rank: int, size: int, port: int, conn, env: Dict[str, str], init_kwa
     import faulthandler
     import signal
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks on a hang
+    os.environ.update(rank_env(rank, size, port))
     os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(size), "MASTER_PORT": str(port)})
     comm = None
     try:
         import streamcoll
@@ -94,8 +185,7 @@ class World:
         self.timeout = timeout
         ctx = mp.get_context("spawn")
         port = free_port()
-        e = dict(LOOPBACK_ENV)
-        e.update(env or {})
+        e = dict(env or {})
         self.conns = []
         self.procs = []
         kw = {} if init_kwargs is None else init_kwargs
