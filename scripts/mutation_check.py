@@ -76,18 +76,18 @@ FIXED: List[Mutation] = [
     Mutation(
         "process_group._op always MAX",
         (("streamcoll/process_group.py", "    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n",
-          "    return dist.ReduceOp.MAX\n"),),
+          "    return dist.ReduceOp.MAX\n    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n"),),
         ("tests/test_process_group.py::test_collectives_through_torch_distributed",),
         ci=True, why="issue 28 finding 1 (the PyTorch-suite subset: test_reduce_sum, test_get_future)"),
     Mutation(
         "process_group._op always MAX (against gloo)",
         (("streamcoll/process_group.py", "    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n",
-          "    return dist.ReduceOp.MAX\n"),),
+          "    return dist.ReduceOp.MAX\n    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n"),),
         ("tests/test_process_group.py::test_reductions_match_gloo_and_numpy",)),
     Mutation(
         "process_group._op always MAX (PyTorch's suite)",
         (("streamcoll/process_group.py", "    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n",
-          "    return dist.ReduceOp.MAX\n"),),
+          "    return dist.ReduceOp.MAX\n    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n"),),
         ("tests/test_torch_dist_suite.py::TestStreamcollDistBackend::test_reduce_sum",),
         why="issue 28 finding 1: torch's all_reduce tests compare no value; these do"),
     Mutation(

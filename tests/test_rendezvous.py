@@ -255,7 +255,8 @@ def test_torchrun_job_with_none_of_the_suites_variables(tmp_path):
     """A user's job: ``torchrun --nproc-per-node 2`` from an environment with
     no MASTER_ADDR, CCL_KVS_IFACE, NCCL_SOCKET_IFNAME or OMP_NUM_THREADS
     (world.bare_env). streamcoll's own single-host default chooses the
-    oneCCL interface (``CCL_KVS_IFACE=lo``, applied by streamcoll.env), and
+    oneCCL interface (``CCL_KVS_IFACE=lo``, applied by streamcoll.env around
+    the native calls and gone from ``os.environ`` afterwards: issue 20), and
     the values are right."""
     script = tmp_path / "bare.py"
     script.write_text(_TORCHRUN_BARE)
@@ -264,4 +265,4 @@ def test_torchrun_job_with_none_of_the_suites_variables(tmp_path):
                        text=True, timeout=120, cwd=str(tmp_path))
     assert p.returncode == 0, p.stdout + p.stderr
     assert sorted(line for line in p.stdout.splitlines() if line.startswith("rank ")) == [
-        f"rank {r}: [1.5, 1.5, 1.5] [1.0, 1.0] kvs=lo applied=lo" for r in range(2)], (p.stdout, p.stderr)
+        f"rank {r}: [1.5, 1.5, 1.5] [1.0, 1.0] kvs=None applied=lo" for r in range(2)], (p.stdout, p.stderr)

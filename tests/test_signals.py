@@ -235,7 +235,7 @@ if __name__ != "__main__":
         res = ranks.result(0)
         assert res["sum"] == 2.0 and len(res["handler"]) == 1, (res, info)
         assert abs(res["handler"][0] - res["returned"]) < 0.5, res  # run by Python once the call returned
-        assert "your handler runs when the call returns" in ranks.text("stderr", 0), info
+        assert "your handler runs when the call returns" in ranks.text("stderr0"), info
 
 else:
     SCENARIOS[sys.argv[1]]()

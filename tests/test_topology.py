@@ -101,7 +101,7 @@ def _hosts(layout, hostnames=None, cpus=(0, 1), machines=None, bound=None, defau
 
 
 def test_several_hosts_defaults():
-    plan = env.plan(Topology.from_facts(_hosts([1, 1]), 1), "oneccl", environ={})
+    plan = env.plan(Topology.from_facts(_hosts([1, 1]), 1), "oneccl", environ={}, running={})
     assert plan == {"CCL_KVS_IFACE": "mn0", "CCL_MNIC_NAME": "mn0", "CCL_WORKER_OFFLOAD": "0",
                     "CCL_ALLREDUCE": "recursive_doubling:0-16384;nreduce:16385-max", "CCL_LOCAL_RANK": "0",
                     "CCL_LOCAL_SIZE": "1", "CCL_LOG_LEVEL": "error"}, plan
@@ -110,15 +110,15 @@ def test_several_hosts_defaults():
     assert over == {"CCL_WORKER_OFFLOAD": "1", "CCL_YIELD": "sched_yield", "CCL_ATL_SHM": "1"}, over
     same_name = Topology.from_facts(_hosts([2, 2], hostnames={1: "node0"}), 0)
     assert "CCL_ATL_SHM" not in env.agreed_defaults(same_name)  # oneCCL would mix the hosts up
-    assert "CCL_KVS_IFACE" not in env.plan(Topology.from_facts([dataclasses.replace(f, route=None) for f in _hosts([1, 1])], 0), "oneccl", environ={})
-    assert env.plan(Topology.from_facts(_hosts([1, 1]), 0), "nccl", environ={}) == {"NCCL_SOCKET_IFNAME": "=mn0"}
+    assert "CCL_KVS_IFACE" not in env.plan(Topology.from_facts([dataclasses.replace(f, route=None) for f in _hosts([1, 1])], 0), "oneccl", environ={}, running={})
+    assert env.plan(Topology.from_facts(_hosts([1, 1]), 0), "nccl", environ={}, running={}) == {"NCCL_SOCKET_IFNAME": "=mn0"}
 
 
 def test_uneven_hosts_agree_on_shm():
     """2 + 1 ranks: the host with one rank gets CCL_ATL_SHM=1 too (before:
     none there, and its init failed, 'pmrt_kvs_get: decode failed')."""
     fs = _hosts([2, 1])
-    plans = [env.plan(Topology.from_facts(fs, r), "oneccl", environ={}) for r in range(3)]
+    plans = [env.plan(Topology.from_facts(fs, r), "oneccl", environ={}, running={}) for r in range(3)]
     assert [p.get("CCL_ATL_SHM") for p in plans] == ["1", "1", "1"], plans
     assert [p["CCL_LOCAL_SIZE"] for p in plans] == ["2", "2", "1"]
     keys = ("CCL_ALLREDUCE", "CCL_WORKER_OFFLOAD", "CCL_YIELD", "CCL_ATL_SHM", "FI_PROVIDER")
@@ -130,9 +130,9 @@ def test_user_values_are_kept_and_ccl_mnic_gets_no_mnic_name():
     CCL_MNIC_NAME beside it, which would narrow it to one interface
     (before: CCL_MNIC_NAME set anyway); a user's CCL_MNIC_NAME is kept."""
     topo = Topology.from_facts(_hosts([2, 2]), 1)
-    plan = env.plan(topo, "oneccl", environ={"CCL_MNIC": "global", "CCL_MNIC_COUNT": "4"})
+    plan = env.plan(topo, "oneccl", environ={"CCL_MNIC": "global", "CCL_MNIC_COUNT": "4"}, running={})
     assert "CCL_MNIC_NAME" not in plan and plan["CCL_KVS_IFACE"] == "mn0", plan
-    plan = env.plan(topo, "oneccl", environ={"CCL_MNIC_NAME": "ib0"})
+    plan = env.plan(topo, "oneccl", environ={"CCL_MNIC_NAME": "ib0"}, running={})
     assert "CCL_MNIC_NAME" not in plan and plan["CCL_LOCAL_RANK"] == "1" and "FI_PROVIDER" not in plan, plan
     assert env.plan(topo, "oneccl", environ={"STREAMCOLL_NO_ENV_DEFAULTS": "1"}) == {}
 
@@ -163,7 +163,7 @@ def test_conflicts_name_the_variable_ranks_and_values():
                                                        ("FI_PROVIDER", "shm"), ("CCL_ATL_TRANSPORT", None)))
     t = Topology.from_facts(_hosts([2], bound={0: running}), 1)
     assert not t.agreed.conflicts and t.agreed.values["CCL_ALLREDUCE"] == "ring"
-    assert env.plan(t, "oneccl", environ={})["CCL_ALLREDUCE"] == "ring"
+    assert env.plan(t, "oneccl", environ={}, running={})["CCL_ALLREDUCE"] == "ring"
     # ... unless a user's value on another rank contradicts it.
     t = Topology.from_facts(_hosts([2], bound={0: running, 1: (("CCL_ALLREDUCE", "nreduce", env.USER),)}), 1)
     assert "rank 0: 'ring' (in effect since this process's first oneCCL init)" in t.agreed.conflicts["CCL_ALLREDUCE"]
