@@ -363,6 +363,12 @@ def _p2p_progress(comm, port_gloo: int, port_sc: int):
 
 @needs_oneccl
 @pytest.mark.world
+@pytest.mark.xfail(strict=False, reason=(
+    "known open defect (issue 22 finding 3 stays open): in 1 to 2 runs of 5 a rank dies inside oneCCL 2022.2's "
+    "CPU point-to-point code in one of these scenarios, which one not yet isolated (oneCCL logs "
+    "'flow_control.cpp:49 return_credit: unexpected credits 1025, max_credits 1024' or "
+    "'request.cpp:33 complete_counter: condition prev_counter > 0 failed'); the values are gloo's whenever it "
+    "completes"))
 def test_posted_p2p_progresses_as_on_gloo():
     """Finding 3: (a) both ranks irecv, query the status once, then isend;
     (b) rank 0 isends on A, all-reduces on B (a split of A), then waits,

@@ -221,8 +221,11 @@ class World:
                 try:
                     status, val = c.recv()
                 except EOFError:
+                    proc = self.procs[r]
+                    proc.join(5)  # its exit code (close() forgets the processes)
+                    code = proc.exitcode
                     self.close(kill=True)
-                    raise ChildError(f"{what}: rank {r} died (exit code {self.procs[r].exitcode})")
+                    raise ChildError(f"{what}: rank {r} died (exit code {code})")
                 if status == "error":
                     errors[r] = val
                 results[r] = val
