@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from world import TORCHRUN_ENV, free_port, kill_sessions  # noqa: E402
+from world import Processes, free_port  # noqa: E402
 
 
 # ============================================================ rank scenarios
@@ -425,44 +425,19 @@ def test_flight_analysis_is_silent_on_a_healthy_p2p_exchange(tmp_path):
 
 
 # -------------------------------------------------- ranks of their own
-class Ranks:
-    """The rank processes of one scenario, killed by id at the end."""
+class Ranks(Processes):
+    """The rank processes of one scenario (:class:`world.Processes`: each in
+    its own session, killed with all it started at the end)."""
 
     def __init__(self, scenario: str, size: int, tmp, env: Optional[dict] = None) -> None:
-        self.dir = str(tmp)
-        port = free_port()
-        self.procs: List[subprocess.Popen] = []
-        self.ended: Dict[int, float] = {}
-        for r in range(size):
-            e = dict(os.environ)
-            e.update(TORCHRUN_ENV)
-            e.update({"RANK": str(r), "WORLD_SIZE": str(size), "LOCAL_RANK": str(r),
-                      "LOCAL_WORLD_SIZE": str(size), "MASTER_PORT": str(port), "FAILURE_OUT": self.dir,
-                      "STREAMCOLL_FLIGHT_DIR": os.path.join(self.dir, "flight"),
-                      "STREAMCOLL_WATCHDOG": "fail", "PYTHONPATH": os.path.dirname(HERE)})
-            e.update(env or {})
-            with open(os.path.join(self.dir, f"stderr{r}"), "w") as err:
-                self.procs.append(subprocess.Popen([sys.executable, __file__, scenario], env=e,
-                                                   stdout=subprocess.DEVNULL, stderr=err, start_new_session=True))
+        super().__init__(str(tmp))
+        self.start_ranks([sys.executable, __file__, scenario], size,
+                         dict({"FAILURE_OUT": self.dir, "STREAMCOLL_FLIGHT_DIR": os.path.join(self.dir, "flight"),
+                               "STREAMCOLL_WATCHDOG": "fail", "PYTHONPATH": os.path.dirname(HERE)}, **(env or {})))
 
     def wait(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.ended) < len(self.procs) and time.monotonic() < deadline:
-            for r, p in enumerate(self.procs):
-                if r not in self.ended and p.poll() is not None:
-                    self.ended[r] = time.time()
-            time.sleep(0.05)
-        kill_sessions(self.procs)
-
-    def rc(self, r: int) -> Optional[int]:
-        return self.procs[r].returncode
-
-    def result(self, r: int) -> dict:
-        path = os.path.join(self.dir, f"rank{r}.json")
-        if not os.path.exists(path):
-            return {}
-        with open(path) as f:
-            return json.load(f)
+        self.wait_all(timeout)
+        self.kill()
 
     def describe(self) -> str:
         out = []
