@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from world import TORCHRUN_ENV, free_port, kill_sessions  # noqa: E402
+from world import TORCHRUN_ENV, Processes, free_port, kill_sessions, rank_env  # noqa: E402
 
 NATIVE_PREFIXES = ("CCL_", "FI_", "NCCL_")
 
@@ -143,39 +143,23 @@ if __name__ != "__main__":
         e.update(extra or {})
         return e
 
-    class Ranks:
-        """``size`` rank processes of one scenario, on this host."""
+    class Ranks(Processes):
+        """``size`` rank processes of one scenario, on this host (:class:`world.Processes`)."""
 
         def __init__(self, scenario: str, size: int, tmp, env: Optional[dict] = None,
                      per_rank: Optional[Dict[int, dict]] = None) -> None:
-            self.dir = str(tmp)
+            super().__init__(str(tmp))
             port = free_port()
-            self.procs: List[subprocess.Popen] = []
             for r in range(size):
-                e = _clean({"RANK": str(r), "WORLD_SIZE": str(size), "LOCAL_RANK": str(r),
-                            "LOCAL_WORLD_SIZE": str(size), "MASTER_PORT": str(port), "AGREE_OUT": self.dir})
+                e = _clean({k: v for k, v in rank_env(r, size, port).items() if not k.startswith(NATIVE_PREFIXES)})
+                e["AGREE_OUT"] = self.dir
                 e.update(env or {})
                 e.update((per_rank or {}).get(r, {}))
-                with open(os.path.join(self.dir, f"log{r}"), "w") as log:
-                    self.procs.append(subprocess.Popen([sys.executable, __file__, scenario], env=e, stdout=log,
-                                                       stderr=subprocess.STDOUT, start_new_session=True))
+                self.start([sys.executable, __file__, scenario], e, f"log{r}")
 
         def finish(self, timeout: float) -> None:
-            deadline = time.monotonic() + timeout
-            try:
-                for p in self.procs:
-                    p.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                pass
-            finally:
-                kill_sessions(self.procs)
-
-        def result(self, r: int) -> dict:
-            path = os.path.join(self.dir, f"rank{r}.json")
-            if not os.path.exists(path):
-                return {}
-            with open(path) as f:
-                return json.load(f)
+            self.wait_all(timeout)
+            self.kill()
 
         def describe(self) -> str:
             out = []
