@@ -7,14 +7,16 @@ retyped here.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Dict, Optional, Tuple
+from typing import ContextManager, Dict, Optional, Tuple
 
 import torch
 
 from ._ffi._common import Binding
 from .errors import CommunicatorError
 from .spec import c_functions
+from .turnstile import Turnstile
 
 __all__ = ["Backend", "get_backend", "BACKEND_FOR_DEVICE"]
 
@@ -129,6 +131,27 @@ class Backend:
         # Whether abort() can end a native communicator (NCCL's ncclCommAbort;
         # oneCCL 2022.2 declares onecclCommAbort not implemented).
         self.can_abort = "abort" in self.funcs
+        # oneCCL may not be entered by two threads of one process at once,
+        # whatever the communicators (measured, 2 ranks, its CPU calls: an
+        # async all_reduce on one communicator's comm thread beside a
+        # synchronous one on another, or two threads each all-reducing on a
+        # communicator of its own, corrupt its shared request and flow-control
+        # state within 300 calls: "flow_control.cpp:49 return_credit:
+        # unexpected credits 1025, max_credits 1024", "request.cpp:71
+        # set_counter: unexpected counter 2", "request.cpp:33 complete_counter:
+        # unexpected prev_counter 0"; independent and split communicators
+        # alike). Every oneCCL call of the process runs in its turn, in issue
+        # order (streamcoll.turnstile says why not a lock). NCCL allows
+        # concurrent calls on different communicators: None.
+        self.turnstile: Optional[Turnstile] = Turnstile() if name == "oneccl" else None
+
+    def serial(self, timeout: Optional[float] = None) -> ContextManager[bool]:
+        """The context a C call made on the calling thread runs in (life
+        cycle: init, split, destroy): its turn where the library needs one
+        (oneCCL), else nothing. Yields False if the turn did not come within
+        ``timeout``."""
+        ts = self.turnstile
+        return ts.hold(timeout) if ts is not None else contextlib.nullcontext(True)
 
     def lib(self):
         return self.binding.lib()
@@ -157,7 +180,8 @@ class Backend:
     def unique_id(self) -> bytes:
         ffi = self.ffi
         uid = ffi.new(self.uid_type + " *")
-        rc = getattr(self.lib(), self.funcs["get_unique_id"])(uid)
+        with self.serial():
+            rc = getattr(self.lib(), self.funcs["get_unique_id"])(uid)
         if rc:
             raise self.binding.error(self.funcs["get_unique_id"], rc)
         return bytes(ffi.buffer(uid))
@@ -179,7 +203,8 @@ class Backend:
             rc = getattr(lib, fname)(comm, nranks, cid[0], rank, cfg)
         else:
             fname = self.funcs["init_rank"]
-            rc = getattr(lib, fname)(comm, nranks, cid[0], rank)
+            with self.serial():  # a rendezvous inside the library: a call of another communicator waits
+                rc = getattr(lib, fname)(comm, nranks, cid[0], rank)
         if rc and blocking is False and self.name == "nccl" and rc == self.binding.const("ncclInProgress"):
             # Non-blocking init: poll until ready, an error, or the timeout (then aborted).
             from .watchdog import nccl_wait_ready
@@ -216,7 +241,8 @@ class Backend:
         ffi = self.ffi
         new = ffi.new(self.comm_type + " *")
         fname = self.funcs["split"]
-        rc = getattr(self.lib(), fname)(comm, color, key, new, ffi.NULL)
+        with self.serial():
+            rc = getattr(self.lib(), fname)(comm, color, key, new, ffi.NULL)
         if rc and in_progress_ok and self.name == "nccl" and rc == self.binding.const("ncclInProgress"):
             return new[0]
         if rc:
@@ -226,12 +252,15 @@ class Backend:
     def query(self, comm, what: str) -> int:
         v = self.ffi.new("int *")
         fname = self.funcs[what]
-        rc = getattr(self.lib(), fname)(comm, v)
+        with self.serial():
+            rc = getattr(self.lib(), fname)(comm, v)
         if rc:
             raise self.binding.error(fname, rc, comm)
         return v[0]
 
     def destroy(self, comm, finalize: bool = True) -> None:
+        """Free ``comm`` (after ``finalize`` where asked). The caller holds
+        :meth:`serial` (a bounded wait: :meth:`Communicator.destroy`)."""
         lib = self.lib()
         if finalize:
             rc = getattr(lib, self.funcs["finalize"])(comm)
@@ -254,6 +283,17 @@ class Backend:
 
 
 _BACKENDS: Dict[str, Backend] = {}
+
+
+def _after_fork_in_child() -> None:
+    # a parent thread may have held the turn at fork: the child's own communicators start with a fresh turnstile
+    for b in _BACKENDS.values():
+        if b.turnstile is not None:
+            b.turnstile = Turnstile()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def get_backend(name: str) -> Backend:

@@ -53,14 +53,33 @@ rule for when posted ops are launched:
   without a thread per op. A loop that only polls a lone posted receive
   never launches it: wait on it (or issue anything that blocks).
 
+oneCCL may not be entered by two threads of a process at once, whatever
+the communicators (measured: an async all_reduce on one communicator's comm
+thread beside a synchronous one on another corrupted its state within 300
+calls). So its calls run one at a time, in the order the process issued
+them, on every communicator (:class:`streamcoll.turnstile.Turnstile`,
+:attr:`Backend.turnstile <streamcoll.backends.Backend>`): a synchronous call
+goes behind the async work issued before it on any communicator, as it
+already did behind its own. Issue order is what ranks agree on; a plain
+lock would let ranks run the same two calls in different orders and
+deadlock. What this costs: work stuck inside oneCCL (a late peer) delays
+the process's later oneCCL calls on other communicators; and two threads
+issuing on different communicators must issue in the same order on every
+rank, or they deadlock (gloo, a thread per group, finishes). NCCL allows
+concurrent calls on different communicators: no turnstile there.
+
 What remains different from torch: a posted op launched before its partner
 was posted goes out on its own and occupies its communicator until the peer
 matches it: ``irecv``, a blocking call, then ``isend``, on both ranks,
 deadlocks where gloo finishes (post both before the blocking call, or use
 ``batch_isend_irecv``), and so does ``isend``, a poll, then ``irecv`` on both
 ranks for messages above oneCCL's eager size (measured here: 1 KB sends return
-at once, 1 MB ones wait for the receive); and ops on one communicator
-complete in issue order. A blocking ``send``/``recv`` on a
+at once, 1 MB ones wait for the receive); ops on one communicator complete in
+issue order, and on oneCCL ops on all communicators (above): a launched lone
+``irecv`` on A holds up a later collective on B until its send arrives, so
+``A.irecv; B.all_reduce`` against ``B.all_reduce; A.send`` deadlocks where
+gloo finishes (post the receive after the collective, or pair it with the
+send in ``batch_isend_irecv``). A blocking ``send``/``recv`` on a
 communicator with posted ops joins their group. Tags: NCCL and oneCCL have
 none, so a non-zero ``tag`` is refused (ValueError) instead of being ignored.
 
@@ -111,7 +130,8 @@ from .plans import PlanContext
 from .spec import Plan
 from .streams import Lane, runtime_for
 from . import work as _work
-from .work import POSTING, REAPER, PostedWork, Work, launch_posted
+from .env_vars import read_int
+from .work import POSTING, REAPER, DoneWork, PostedWork, Work, launch_posted
 
 log = logging.getLogger("streamcoll")
 
@@ -189,6 +209,21 @@ _IDS = itertools.count(1)
 def communicator_by_id(cid: int) -> Optional["Communicator"]:
     """The live communicator with ``Communicator.id == cid``, or None."""
     return _BY_ID.get(cid)
+
+
+# STREAMCOLL_INLINE_ASYNC_BYTES's default (Communicator.inline_async_bytes):
+# measured with benchmarks/inline_async.py, see benchmarks/README.md.
+INLINE_ASYNC_BYTES = 65536
+
+
+# A barrier's cost is the peers' arrival, not its bytes: async, it lets the
+# caller go on (and dist.barrier(timeout=) bounds the wait), never inline.
+_NEVER_INLINE = frozenset({"barrier"})
+
+
+def _nbytes(plan: Plan) -> int:
+    """The bytes of a plan's largest buffer (what the inline-async threshold compares)."""
+    return max((t.nbytes for t in plan.keep if isinstance(t, torch.Tensor)), default=0)
 
 
 def _after_fork_in_child() -> None:
@@ -315,21 +350,16 @@ class Communicator(CollectiveMethods):
                 c = hcache[h] = cast(stream_ctype, h)
             return c
 
-        self._rt = runtime_for(device, native)
+        self._rt = runtime_for(device, native, backend.turnstile)
+        # CPU async calls up to this many bytes run inline (see inline_async_bytes)
+        self._inline_async = 0 if self._gpu else read_int("STREAMCOLL_INLINE_ASYNC_BYTES", INLINE_ASYNC_BYTES, 0)
         self._lanes: Dict[Any, Lane] = {}
         self._cx = PlanContext(self)
         self._flight = _flight.attach(self)
         self._sync_events = _sync_events_for(self)
         self._launch_sync = build_sync_launcher(self)
         self._fast: Dict[str, Callable[..., Any]] = {}
-        for name_, s in _spec.TABLE.items():
-            if s.fast:
-                fn = build_fast_path(self, s, getattr(Communicator, name_))
-                if fn is not None:
-                    self._fast[name_] = fn
-                    for a in s.aliases:
-                        self._fast[a] = fn
-        self._refresh_fast_paths()
+        self._build_fast_paths()
         _debug.maybe_install(self)
         from . import watchdog
         watchdog.register(self)
@@ -431,10 +461,54 @@ class Communicator(CollectiveMethods):
                 for k in self._fast:
                     d.pop(k, None)
 
+    def _build_fast_paths(self) -> None:
+        """Generate the fast paths for this communicator's state (handle,
+        sizes, :attr:`inline_async_bytes`) and install them where allowed."""
+        fast: Dict[str, Callable[..., Any]] = {}
+        for name_, s in _spec.TABLE.items():
+            if s.fast:
+                fn = build_fast_path(self, s, getattr(Communicator, name_))
+                if fn is not None:
+                    fast[name_] = fn
+                    for a in s.aliases:
+                        fast[a] = fn
+        with self._rt.exec_lock:
+            for k in self._fast:
+                self.__dict__.pop(k, None)
+            self._fast = fast
+            self._refresh_fast_paths()
+
     @property
     def fast_path(self) -> bool:
-        """Whether the generated synchronous fast paths are in use now."""
+        """Whether the generated synchronous fast paths are in use now (they
+        also take the small async calls, :attr:`inline_async_bytes`)."""
         return bool(self._fast) and next(iter(self._fast)) in self.__dict__
+
+    @property
+    def inline_async_bytes(self) -> int:
+        """The per-call strategy of CPU ``async_op=True`` calls: one whose
+        largest buffer has at most this many bytes runs inline on the calling
+        thread, in order behind any queued work, and returns a completed
+        Work; a larger one goes to the comm thread, so large buckets overlap
+        with compute. Why: handing a call to the comm thread and waiting for
+        it costs about 50-90 us on these machines (a thread wake-up each
+        way and the GIL), more than a small collective itself, and overlap
+        cannot win back more than the call's own time. 0 on GPUs (their
+        strategies do not change) and with ``STREAMCOLL_INLINE_ASYNC_BYTES=0``.
+        The default, :data:`INLINE_ASYNC_BYTES`, was measured
+        (``benchmarks/inline_async.py``). Settable per communicator (bytes,
+        an int >= 0): e.g. 0 where every async call must overlap."""
+        return self._inline_async
+
+    @inline_async_bytes.setter
+    def inline_async_bytes(self, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"inline_async_bytes: expected an int >= 0 (bytes), got {n!r}")
+        if self._gpu and n:
+            raise ValueError(f"inline_async_bytes: only the CPU runs small async calls inline; "
+                             f"a {self._dev_type} communicator keeps 0, got {n}")
+        self._inline_async = int(n)
+        self._build_fast_paths()
 
     # ------------------------------------------------------------ hooks
     def register_pre_hook(self, hook: Callable[[LaunchRecord], Any]) -> HookHandle:
@@ -582,7 +656,14 @@ class Communicator(CollectiveMethods):
         finally:
             lock.release()
         if handle is not None:
-            self._backend.destroy(handle, finalize=False)
+            wait = max(t, ABORT_LOCK_WAIT_S)
+            with self._backend.serial(wait) as turn:
+                if not turn:
+                    log.warning("streamcoll: destroy(%s): an earlier oneCCL call of this process has not returned "
+                                "within %.1f s (its calls run one at a time, in issue order); the native "
+                                "communicator is left allocated", self.name, wait)
+                    return
+                self._backend.destroy(handle, finalize=False)
 
     def abort(self) -> bool:
         """Abort the native communicator where the library can (NCCL), so
@@ -684,6 +765,12 @@ class Communicator(CollectiveMethods):
                 return self._post(name, plan)
             if self._posted:
                 self._flush_posted()
+            if (self._inline_async and name not in _NEVER_INLINE and not self._rt._pending  # type: ignore[attr-defined]
+                    and _nbytes(plan) <= self._inline_async):
+                if POSTING:
+                    launch_posted()  # it blocks now: as a synchronous call
+                self._launch_sync(name, plan, None)  # behind queued work if some was queued meanwhile
+                return DoneWork(self, self._seq, name, plan.outputs)
             return self._launch_async(name, plan)
         if self._posted and name in _P2P_SYNC and stream is None:
             # with the posted ops in one group: a blocking send/recv after
@@ -840,9 +927,10 @@ class Communicator(CollectiveMethods):
 
     def _execute_device(self, plan: Plan, e: FlightEntry, h: Any) -> None:
         """Launch a plan on a GPU comm stream (completion is the event's)."""
-        rc = plan.fn(*plan.args, h)
-        if rc:
-            self._raise_rc(plan.cname, rc)
+        with self._backend.serial():  # oneCCL on XPU: one call at a time in the process, in issue order
+            rc = plan.fn(*plan.args, h)
+            if rc:
+                self._raise_rc(plan.cname, rc)
         if plan.post is not None:
             plan.post()
 

@@ -40,6 +40,7 @@ import torch
 from .ops import ReduceOp
 from .plans import FLOATS
 from .recorder import FlightEntry
+from .work import DoneWork
 from .spec import CollectiveSpec, Plan, c_roles, signature_text
 
 __all__ = ["SYNC_TEMPLATE", "build_sync_launcher", "build_fast_path", "generated_source"]
@@ -52,7 +53,9 @@ _GENERATED: Dict[str, str] = {}
 # code), {cname}, {post}, {record} (CUDA: the completion event of the call,
 # streamcoll.sync_events), {ret}, {not_ready} (what to do when it may not: the
 # general path queues it behind the async work, releasing the lock; a fast
-# path releases the lock and falls through to the general path).
+# path releases the lock and falls through to the general path), {ticket}/
+# {enter}/{leave} (the call's turn in the process, oneCCL: Backend.turnstile,
+# its ticket taken under the exec lock, in issue order; nothing for NCCL).
 SYNC_TEMPLATE = """\
 _lock.acquire()
 if {ready}:
@@ -64,8 +67,8 @@ if {ready}:
     e.op = {name}
     e.p2p = _comm._p2p
     _fr.cur = {keep}
-    try:
-        rc = {call}
+{ticket}    try:
+{enter}        rc = {call}
         if rc:
             _comm._raise_rc({cname}, rc)
 {post}{record}    except BaseException as x:
@@ -74,7 +77,7 @@ if {ready}:
     finally:
         _fr.done = seq
         _fr.cur = None
-        _lock.release()
+{leave}        _lock.release()
     return {ret}
 {not_ready}
 """
@@ -118,7 +121,25 @@ def _namespace(comm: Any) -> Dict[str, Any]:
     }
     if comm._sync_events is not None:
         ns.update(comm._sync_events.namespace())
+    if comm._backend.turnstile is not None:
+        ns["_ts"] = comm._backend.turnstile
+        ns["_tk"] = comm._backend.turnstile.ticket
     return ns
+
+
+def _serial(comm: Any) -> Dict[str, str]:
+    """The {ticket}/{enter}/{leave} parts: the call's turn (``Backend.turnstile``:
+    one C call at a time in the process, in issue order), where the library
+    needs one. The ticket is taken under the exec lock, with the sequence
+    number; a wait for the turn that raises cancels it (Turnstile.wait)."""
+    if comm._backend.turnstile is None:
+        return {"ticket": "", "enter": "", "leave": ""}
+    return {"ticket": "    _t = _tk()\n",
+            "enter": "        if _ts.turn != _t:\n            _ts.wait(_t)\n",
+            "leave": ("        if _ts.turn == _t:  # held (a wait that raised cancelled the ticket)\n"
+                      "            _ts.turn = _t + 1\n"
+                      "            if _ts.waiting or _ts.skipped:\n"
+                      "                _ts.wake()\n")}
 
 
 def _record(comm: Any) -> str:
@@ -149,7 +170,8 @@ def build_sync_launcher(comm: Any) -> Callable[[str, Plan, Any], Any]:
         not_ready = "_lock.release()"
     body = SYNC_TEMPLATE.format(ready=ready, p2p="\n    if plan.p2p:\n        _comm._p2p += 1", name="name",
                                 keep="plan.keep", call="plan.fn(*plan.args, h)", cname="plan.cname",
-                                post=post, record="" if cpu else _record(comm), ret="None", not_ready=not_ready)
+                                post=post, record="" if cpu else _record(comm), ret="None", not_ready=not_ready,
+                                **_serial(comm))
     src = "def launch_sync(name, plan, stream):\n" + head + _indent(body, 4)
     return _compile(src, "launch_sync", ns, f"launch_sync/{comm._device.type}")
 
@@ -181,7 +203,14 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         "_ptrs": cx.ptrs.get, "_vp": cx.vp, "_null": comm._rt._null if not gpu else None,
     })
     conds: List[str] = []
-    if spec.async_mode == "param":
+    # Small CPU async calls run here too, inline, and return a completed Work
+    # (Communicator.inline_async_bytes): ia says which.
+    inline_async = bool(spec.async_mode == "param" and not gpu and not spec.p2p and comm._inline_async)
+    if inline_async:
+        ns["_imax"] = comm._inline_async
+        ns["_Done"] = DoneWork
+        conds.append("((ia := async_op is True) or async_op is False)")
+    elif spec.async_mode == "param":
         conds.append("async_op is False")
     conds.append("stream is None")
     bufs = [p.name for p in spec.buffers]
@@ -251,6 +280,10 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         lhs = f"m_{buf}" if buf == cbuf else f"{buf}.numel()"
         rhs = f"m_{other}" if other == cbuf else f"{other}.numel()"
         conds.append(f"{lhs} == {rhs}" + (" * _size" if rel == "size*" else ""))
+    if inline_async:
+        each = [f"m_{b}" if b == cbuf else f"{b}.numel()" for b in bufs]
+        biggest = each[0] if len(each) == 1 else f"max({', '.join(each)})"
+        conds.append(f"(not ia or {biggest} * {send}.element_size() <= _imax)")
     lines = [f"n = m_{cbuf}" + (" // _size" if how == "numel/size" else "")]
     post = ""
     if fast_avg:
@@ -308,6 +341,9 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         ns["_native"] = comm._rt.native
     keep = "(" + ", ".join(bufs) + ",)"
     ret = {"src": peer}.get(spec.returns, "None")
+    if inline_async:
+        assert ret == "None", spec.name
+        ret = f"(_Done(_comm, seq, {spec.name!r}, ({spec.recv or send},)) if ia else None)"
     # _fast_ok: whether the communicator may take a fast path now
     # (Communicator._refresh_fast_paths decides), read under the exec lock:
     # a fast path saved before coalescing, a failure or destroy falls through
@@ -316,7 +352,7 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
                                 p2p="\n    _comm._p2p += 1" if spec.p2p else "",
                                 name=repr(spec.name), keep=keep, call=call, cname=repr(spec.name), post=post,
                                 record=_record(comm) if gpu else "", ret=ret,
-                                not_ready="_lock.release()")
+                                not_ready="_lock.release()", **_serial(comm))
     sig = signature_text(spec)
     argnames = [a.split("=")[0] for a in sig.split(", ") if a != "*"]
     call_general = ", ".join(a if a != "stream" else "stream=stream" for a in argnames)

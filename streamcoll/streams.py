@@ -159,9 +159,10 @@ class Runtime:
 class _Item:
     """One queued call on the CPU comm thread: ``runner(plan, entry, handle)``."""
 
-    __slots__ = ("runner", "plan", "entry", "done", "exc", "callbacks")
+    __slots__ = ("runner", "plan", "entry", "done", "exc", "callbacks", "ticket")
 
     def __init__(self, runner, plan, entry) -> None:
+        self.ticket = -1  # its turn in the process (Backend.turnstile), taken when queued; -1: none
         self.runner = runner
         self.plan = plan
         self.entry = entry
@@ -189,12 +190,19 @@ class CpuRuntime(Runtime):
     lock, so the comm thread never runs beside an inline call and needs no
     lock of its own. A synchronous call made while async work is queued goes
     through the queue too, so it cannot overtake that work.
+
+    Where the library may not be entered by two threads of the process at
+    once (oneCCL, ``turnstile``), every queued item takes a ticket when it is
+    queued and the comm thread runs it in its turn; inline calls take theirs
+    in the generated launcher. So all communicators' calls run one at a
+    time, in the order the process issued them.
     """
 
     device_type = "cpu"
 
-    def __init__(self, device: torch.device, native, name: str = "streamcoll-comm") -> None:
+    def __init__(self, device: torch.device, native, turnstile: Any = None, name: str = "streamcoll-comm") -> None:
         super().__init__(device, native)
+        self.turnstile = turnstile
         self._name = name
         self._queue: collections.deque = collections.deque()
         self._cond = threading.Condition(threading.Lock())
@@ -226,6 +234,8 @@ class CpuRuntime(Runtime):
             if self._closed or self._failed:
                 raise CommunicatorError("the communicator's comm thread has been stopped" if self._closed
                                         else "the communicator failed: its comm thread takes no more work")
+            if self.turnstile is not None:
+                item.ticket = self.turnstile.ticket()  # under the exec lock too: issue order
             self._queue.append(item)
             self._pending += 1
             if self._thread is None:
@@ -244,11 +254,18 @@ class CpuRuntime(Runtime):
                     cond.wait()
                 item = q.popleft()
                 self.running = item  # under the lock: fail() sees it either queued or running
+            ts = self.turnstile
             try:
-                item.runner(item.plan, item.entry, self._null)
+                if ts is not None and ts.turn != item.ticket:
+                    ts.wait(item.ticket)  # behind the calls issued before it, on every communicator
+                if item.exc is None:  # failed while it waited for its turn: not run
+                    item.runner(item.plan, item.entry, self._null)
             except BaseException as e:  # delivered to whoever waits on the item
                 if item.exc is None:  # a failure fail() recorded first stays the reason
                     item.exc = e
+            finally:
+                if ts is not None and ts.turn == item.ticket:
+                    ts.leave(item.ticket)
             with cond:
                 self.running = None
                 item.plan = None  # host memory is free to reuse once the call returned
@@ -274,6 +291,8 @@ class CpuRuntime(Runtime):
             queued = list(self._queue)
             self._queue.clear()
             for it in queued:
+                if self.turnstile is not None:
+                    self.turnstile.cancel(it.ticket)  # never runs: its turn is skipped
                 it.exc = error_for(it.entry)
                 it.plan = None
                 it.done = True
@@ -457,11 +476,12 @@ class XpuRuntime(_TorchGpuRuntime):
         return stream.sycl_queue
 
 
-def runtime_for(device: torch.device, native: Callable[[Any], Any]) -> Runtime:
+def runtime_for(device: torch.device, native: Callable[[Any], Any], turnstile: Any = None) -> Runtime:
     """The adapter for ``device``; ``native(handle)`` turns an int stream
-    handle (None on the host) into the C argument."""
+    handle (None on the host) into the C argument; ``turnstile``: the
+    library's process-wide issue order (``Backend.turnstile``), if it needs one."""
     if device.type == "cpu":
-        return CpuRuntime(device, native)
+        return CpuRuntime(device, native, turnstile)
     if device.type == "cuda":
         return CudaRuntime(device, native)
     if device.type == "xpu":

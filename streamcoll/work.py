@@ -23,6 +23,7 @@ import torch
 from . import helper_threads
 from .callbacks import Future
 from .errors import CollectiveTimeout, CommunicatorError
+from .streams import CpuEvent
 from .timeouts import seconds as _seconds  # the one check of timeout arguments
 
 
@@ -276,6 +277,39 @@ class Work:
     def __repr__(self) -> str:
         state = "completed" if self.is_completed() else "pending"
         return f"<streamcoll.Work {self.op} seq={self.seq} {state}>"
+
+
+# The completion event of work that completed before its Work was made
+# (CpuRuntime: an event without an item is done).
+_DONE = CpuEvent()
+
+
+class DoneWork(Work):
+    """The Work of an ``async_op=True`` call that ran inline because it was
+    small (``STREAMCOLL_INLINE_ASYNC_BYTES``): it completed, successfully,
+    before this was returned (a failed call raised instead). Nothing can
+    change that: it keeps no event and no lane, and a later failure of the
+    communicator does not make it report one."""
+
+    __slots__ = ()
+
+    def __init__(self, comm, seq: int, op: str, outputs) -> None:
+        self._comm = comm
+        self._rt = comm._rt
+        self._lane = None
+        self._event = _DONE
+        self._outputs = outputs
+        self._stash = None
+        self._future = None
+        self._waited = False
+        self.seq = seq
+        self.op = op
+
+    def _error(self) -> Optional[BaseException]:
+        return None
+
+    def __del__(self) -> None:
+        pass
 
 
 class PostedWork(Work):

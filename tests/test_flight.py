@@ -167,7 +167,8 @@ def _comm(**kw):
 
 
 @needs_oneccl
-def test_records_ops_shapes_dtypes_strategy_state(tmp_path):
+def test_records_ops_shapes_dtypes_strategy_state(tmp_path, monkeypatch):
+    monkeypatch.setenv("STREAMCOLL_INLINE_ASYNC_BYTES", "0")  # the async entries are the comm thread's
     c = _comm(name="rec")
     try:
         t = torch.ones(4)
@@ -203,6 +204,7 @@ def test_records_ops_shapes_dtypes_strategy_state(tmp_path):
 def test_ring_is_bounded_and_does_not_keep_tensors_alive(monkeypatch, tmp_path):
     monkeypatch.setenv("STREAMCOLL_FLIGHT_SIZE", "5")  # rounded up to 8
     monkeypatch.setenv("STREAMCOLL_WATCHDOG", "off")  # no background pass reading live tensors
+    monkeypatch.setenv("STREAMCOLL_INLINE_ASYNC_BYTES", "0")  # the async entries are the comm thread's
     c = _comm(name="ring")
     try:
         assert c._flight.capacity == 8
@@ -227,6 +229,7 @@ def test_ring_is_bounded_and_does_not_keep_tensors_alive(monkeypatch, tmp_path):
 @needs_oneccl
 def test_watchdog_pass_reads_shapes_while_tensors_live(monkeypatch):
     monkeypatch.setenv("STREAMCOLL_WATCHDOG", "off")  # this test makes the pass itself
+    monkeypatch.setenv("STREAMCOLL_INLINE_ASYNC_BYTES", "0")  # the async entries are the comm thread's
     c = _comm(name="resolve")
     try:
         c.all_reduce(torch.ones(3, 2), async_op=True).wait()  # a temporary, freed with its Work...

@@ -397,7 +397,8 @@ def test_the_generated_cuda_launcher_with_events_compiles():
         sev = SyncEvents(16, 0, n)
         body = launch.SYNC_TEMPLATE.format(
             ready="True", p2p="", name="'all_reduce'", keep="(t,)", call="_f(t, hs)", cname="'all_reduce'",
-            post="", record=launch._indent(sev.source(), 8), ret="None", not_ready="_lock.release()")
+            post="", record=launch._indent(sev.source(), 8), ret="None", not_ready="_lock.release()",
+            ticket="", enter="", leave="")
         src = "def f(t, hs):\n" + launch._indent(body, 4)
         compile(src, "<test>", "exec")
         assert "_sev_record(ev.handle, cs)" in src and ("k % _sev_every" in src) == (n != 1)

@@ -172,6 +172,54 @@ def test_process_group_calls_take_the_fast_path(monkeypatch):
 
 
 @needs_oneccl
+def test_small_async_calls_run_inline_in_three_frames(monkeypatch):
+    """Issue 25: a CPU ``async_op=True`` call up to ``inline_async_bytes``
+    runs on the generated fast path, inline, and returns a completed Work:
+    three frames (the fast path, the Work's constructor and finaliser),
+    where the comm thread's path entered many and paid a thread hand-off.
+    Above the threshold, and with it set to 0, the call goes to the comm
+    thread; a ProcessGroup async call takes the same path (six frames in all)."""
+    monkeypatch.setenv("STREAMCOLL_WATCHDOG", "off")
+    monkeypatch.delenv("STREAMCOLL_INLINE_ASYNC_BYTES", raising=False)
+    from streamcoll.communicator import INLINE_ASYNC_BYTES
+    from streamcoll.work import DoneWork
+    c = _comm(name="inline-async")
+    try:
+        assert c.inline_async_bytes == INLINE_ASYNC_BYTES > 0
+        small = torch.ones(INLINE_ASYNC_BYTES // 4)
+        for t in (torch.ones(1), small, torch.ones(8, dtype=torch.bfloat16)):
+            assert _frames(c.all_reduce, t, streamcoll.ReduceOp.SUM, True) == 3, t.shape
+            w = c.all_reduce(t, async_op=True)
+            assert type(w) is DoneWork and w.is_completed() and w.is_success() and w.exception() is None
+            assert w.wait() and w.result() == [t] and w.get_future().wait() == [t]
+        out = torch.empty(8)
+        assert _frames(c.all_gather_into_tensor, out, torch.ones(8), True) == 3
+        big = torch.ones(INLINE_ASYNC_BYTES // 4 + 1)
+        assert _frames(c.all_reduce, big, streamcoll.ReduceOp.SUM, True) > 3
+        w = c.all_reduce(big, async_op=True)
+        assert type(w) is not DoneWork and w.wait()
+        c.inline_async_bytes = 0
+        assert c.fast_path and type(c.all_reduce(torch.ones(1), async_op=True)) is not DoneWork
+        with pytest.raises(ValueError, match="inline_async_bytes: expected an int >= 0"):
+            c.inline_async_bytes = -1
+    finally:
+        c.destroy()
+    from streamcoll.process_group import ProcessGroupStreamcoll
+    pg = ProcessGroupStreamcoll(dist.HashStore(), 0, 1)
+    try:
+        x = torch.ones(4)
+        o = dist.AllreduceOptions()
+        o.asyncOp = True
+        pg.allreduce([x], o).wait()  # the first call makes the communicator
+        assert _frames(pg.allreduce, [x], o) == 6  # the method, _op, the fast path, DoneWork's two, the PG's Work
+        w = pg.allreduce([x], o)
+        assert w.is_completed() and w.wait() and torch.equal(x, torch.ones(4))
+    finally:
+        for c in list(pg._comms.values()):
+            c.destroy()
+
+
+@needs_oneccl
 def test_fast_paths_follow_hooks_coalescing_failure_and_destroy(monkeypatch):
     monkeypatch.setenv("STREAMCOLL_WATCHDOG", "off")
     c = _comm(name="elig")
@@ -204,6 +252,7 @@ def test_sequence_numbers_are_issue_order_across_threads(monkeypatch):
     number is taken once, with no hole, and each C call ran under its own."""
     monkeypatch.setenv("STREAMCOLL_WATCHDOG", "off")
     monkeypatch.setenv("STREAMCOLL_FLIGHT_SIZE", "4096")
+    monkeypatch.setenv("STREAMCOLL_INLINE_ASYNC_BYTES", "0")  # async: the comm thread's sequence numbers
     c = _comm(name="threads")
     errors: List[BaseException] = []
     per = 150
@@ -384,6 +433,7 @@ def test_work_in_flight_when_the_communicator_failed_raises_after_it_completes(m
     import time
     from streamcoll.spec import Plan
     monkeypatch.setenv("STREAMCOLL_WATCHDOG", "off")
+    monkeypatch.setenv("STREAMCOLL_INLINE_ASYNC_BYTES", "0")  # work in flight: the comm thread's
     c = _comm(name="failed-inflight")
     try:
         t = torch.ones(2)

@@ -231,7 +231,8 @@ if __name__ != "__main__":
         raise at once; destroy returns; the process exits with its own status
         (3) although a oneCCL call is still running in it."""
         timeout = 5.0
-        ranks = Ranks("peer_death_async", 3, tmp_path, {"RELIABILITY_TIMEOUT": str(timeout)})
+        ranks = Ranks("peer_death_async", 3, tmp_path, {"RELIABILITY_TIMEOUT": str(timeout),
+                                                        "STREAMCOLL_INLINE_ASYNC_BYTES": "0"})  # comm thread
         try:
             ranks.wait(90)
         finally:
@@ -262,7 +263,8 @@ if __name__ != "__main__":
         pending work raises the same way. On both, later calls (and waiting
         again) raise at once, destroy returns, and the process exits 0. The
         flight-recorder analysis names sequence number 5 and rank 2."""
-        ranks = Ranks("skip", 3, tmp_path, {"STREAMCOLL_WATCHDOG": "fail"})  # the wait reports, not the watchdog
+        ranks = Ranks("skip", 3, tmp_path, {"STREAMCOLL_WATCHDOG": "fail",  # the wait reports, not the watchdog
+                                            "STREAMCOLL_INLINE_ASYNC_BYTES": "0"})  # pending async work: comm thread
         try:
             ranks.wait(90)
         finally:

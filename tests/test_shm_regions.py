@@ -135,7 +135,8 @@ def _launch(scenario: str, size: int, out: str, port: int) -> None:
 def _job(scenario: str, size: int, out: str, timeout: float = 60) -> dict:
     """Run one job in a fresh PID namespace; its ranks' results."""
     os.makedirs(out, exist_ok=True)
-    env = dict(os.environ, SHM_TIMEOUT=str(timeout))
+    # a call stuck on the comm thread (async, whatever its size: none inline)
+    env = dict(os.environ, SHM_TIMEOUT=str(timeout), STREAMCOLL_INLINE_ASYNC_BYTES="0")
     subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, __file__, "launch", scenario,
                     str(size), out, str(free_port())], env=env, timeout=240)
     res = _read(os.path.join(out, "launcher.json"))

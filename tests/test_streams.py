@@ -1,7 +1,9 @@
 """The launch strategies through the cpu runtime (issue 4, CPU tier): which
 strategy runs, the per-(device, current stream) comm-stream cache, event-pool
 reuse, Work semantics, and the lifetime of tensors whose caller dropped them. Real
-oneCCL ranks; the GPU twin of these checks is tests/test_cuda.py."""
+oneCCL ranks; the GPU twin of these checks is tests/test_cuda.py. Scenarios
+about the comm thread run with the small-async inline strategy off
+(``world.on_comm_thread``); ``w_inline_async`` is that strategy's."""
 from __future__ import annotations
 
 import threading
@@ -11,8 +13,10 @@ import pytest
 import torch
 
 import streamcoll
+from world import comm_thread, on_comm_thread
 
 
+@on_comm_thread
 def w_strategy_choice(comm):
     rt = comm._rt
     lanes_before = len(comm._lanes)
@@ -31,6 +35,7 @@ def w_strategy_choice(comm):
     return True
 
 
+@on_comm_thread
 def w_cache_keying(comm):
     """Different current streams (threads) get different comm streams; the
     same key reuses its stream and recycles its events."""
@@ -73,6 +78,7 @@ def w_cache_keying(comm):
     return True
 
 
+@on_comm_thread
 def w_event_pool_no_growth(comm, n):
     # A thread of its own: its current stream gets a fresh lane, so works
     # still held by earlier tests on this rank do not enter the accounting.
@@ -106,17 +112,18 @@ def _event_pool_body(comm, n):
 
 
 def w_work_semantics(comm):
-    """A Work is pending until its peers join; then completed, successful,
-    with a future holding the outputs."""
+    """A Work of the comm thread is pending until its peers join; then
+    completed, successful, with a future holding the outputs."""
     t = torch.full((2,), float(comm.rank))
     comm.barrier()
-    if comm.rank == 0:
-        w = comm.all_reduce(t, async_op=True)
-        pending_seen = not w.is_completed()  # the other ranks join 0.5 s later
-    else:
-        time.sleep(0.5)
-        w = comm.all_reduce(t, async_op=True)
-        pending_seen = None
+    with comm_thread(comm):
+        if comm.rank == 0:
+            w = comm.all_reduce(t, async_op=True)
+            pending_seen = not w.is_completed()  # the other ranks join 0.5 s later
+        else:
+            time.sleep(0.5)
+            w = comm.all_reduce(t, async_op=True)
+            pending_seen = None
     assert w.wait() is True
     assert w.is_completed() and w.is_success() and w.exception() is None
     assert w.get_future().done()
@@ -124,6 +131,32 @@ def w_work_semantics(comm):
     assert t.tolist() == [exp, exp]
     assert w.result()[0] is t
     return pending_seen
+
+
+def w_inline_async(comm):
+    """Issue 25: a small async call runs inline (a completed Work with the
+    right values) unless work is queued on the communicator: then it goes
+    behind it (never overtakes), here behind a large call rank 1 joins 0.5 s
+    late. Returns what rank 0 saw right after issuing both."""
+    from streamcoll.work import DoneWork
+    n, r = comm.size, comm.rank
+    exp = float(n * (n + 1) // 2)
+    t = torch.full((3,), float(r + 1))
+    w = comm.all_reduce(t, async_op=True)
+    assert type(w) is DoneWork and w.is_completed() and t.tolist() == [exp] * 3, (type(w), t)
+    big = torch.full((comm.inline_async_bytes // 4 + 1,), float(r + 1))
+    small = torch.full((2,), float(r + 1))
+    comm.barrier()
+    seen = None
+    if r == 1:
+        time.sleep(0.5)
+    wb = comm.all_reduce(big, async_op=True)
+    ws = comm.all_reduce(small, async_op=True, op=streamcoll.ReduceOp.MAX)
+    if r == 0:
+        seen = [type(ws) is DoneWork, wb.is_completed(), ws.is_completed()]
+    assert ws.wait() and wb.wait()
+    assert small.tolist() == [float(n)] * 2 and bool(torch.all(big == exp)), (small, big[:2])
+    return seen
 
 
 _DROPPED: dict = {}
@@ -142,6 +175,7 @@ def _drop_one(comm):
     return ref
 
 
+@on_comm_thread
 def w_drop_on_rank0(comm):
     """Rank 0 issues a call and drops everything; rank 1 does not join yet,
     so the call cannot complete: only the queued call can keep its buffer
@@ -154,6 +188,7 @@ def w_drop_on_rank0(comm):
     return ref() is not None
 
 
+@on_comm_thread
 def w_join_and_release(comm):
     """The other ranks join rank 0's call; once it completed (a synchronous
     collective goes behind it) its tensor must be gone (nothing leaks)."""
@@ -183,6 +218,7 @@ def w_fire_and_forget(comm, n: int):
     return t.tolist()
 
 
+@on_comm_thread
 def w_stream_argument_and_comm_stream(comm):
     # stream= on the CPU: the host has one stream (the thread); a CPU stream gives the same
     # result, anything else raises (issue 15: it used to be ignored).
@@ -220,6 +256,11 @@ def test_event_pool_does_not_grow_over_10k_calls(world2):
 def test_work_semantics(world2):
     res = world2.run(w_work_semantics)
     assert res[0] is True, "rank 0's Work was reported completed while its peer had not joined"
+
+
+def test_small_async_calls_run_inline_behind_queued_work(world2):
+    seen = world2.run(w_inline_async, timeout=60)[0]
+    assert seen == [False, False, False], f"the small call overtook queued work (DoneWork, big done, small done): {seen}"
 
 
 def test_async_results_survive_dropped_tensors(world):

@@ -83,6 +83,9 @@ def test_gradient_sync_without_trainable_parameters(comm):
 
 
 def _slow_async(c, seconds: float):
+    """An async call that takes ``seconds`` on the comm thread (small calls
+    would run inline: the strategy is the comm thread's here)."""
+    c.inline_async_bytes = 0
     t = torch.ones(2)
 
     def slow(h):  # where a C call takes its time

@@ -10,6 +10,8 @@ world is torn down (the next test gets a fresh one).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import multiprocessing as mp
 import os
 import signal
@@ -18,7 +20,7 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 # What torchrun puts in every rank's environment besides the rank variables,
 # with its defaults (torch/distributed/run.py: --master-addr 127.0.0.1;
@@ -270,6 +272,29 @@ class World:
                 p.join(5)
         self.conns = []
         self.procs = []
+
+
+@contextlib.contextmanager
+def comm_thread(comm: Any) -> Iterator[Any]:
+    """``comm`` with every async call on its comm thread (none inline,
+    ``Communicator.inline_async_bytes`` 0) for the ``with`` body: for
+    scenarios whose subject is queued work (a late or dead peer, pending
+    Works), whatever their tensors' size."""
+    old = comm.inline_async_bytes
+    comm.inline_async_bytes = 0
+    try:
+        yield comm
+    finally:
+        comm.inline_async_bytes = old
+
+
+def on_comm_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A rank scenario ``fn(comm, ...)`` run under :func:`comm_thread`."""
+    @functools.wraps(fn)
+    def run(comm: Any, *args: Any, **kwargs: Any) -> Any:
+        with comm_thread(comm):
+            return fn(comm, *args, **kwargs)
+    return run
 
 
 def settle_gloo() -> None:
