@@ -425,3 +425,24 @@ def test_ddp_step_benchmark_runs_and_checks_against_gloo(tmp_path):
     assert len(doc["results"][1]["streamcoll"]["buckets"]) >= 10  # bucket_cap_mb=1: one per layer
     assert "CCL_WORKER_OFFLOAD" in doc["meta"]["applied"]  # the streamcoll group really ran on oneCCL
     assert "# check demo:" in p.stdout and p.stdout.rstrip().endswith("OK")
+
+
+@needs_oneccl
+def test_after_call_reproducer_runs_at_world_size_1(tmp_path):
+    """benchmarks/after_call.py (issue 25, the cost of a torch op right after
+    a oneCCL call), briefly, at world size 1: every variant is timed (wall and
+    the thread's CPU time) and the excesses are computed. Times are never
+    asserted."""
+    out = tmp_path / "after.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "after_call.py"), "--reps", "2", "--calls", "50",
+           "--json", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["world_size"] == 1
+    want = {"all_reduce", "div_", "all_reduce; div_", "all_reduce AVG", "raw", "raw; div_", "spin",
+            "all_reduce; spin", "pyloop", "all_reduce; pyloop", "numpy", "all_reduce; numpy"}
+    assert want <= set(doc["median_us"]) and want <= set(doc["cpu_median_us"])
+    assert all(v > 0 for v in doc["median_us"].values())
+    assert doc["applied"].get("CCL_WORKER_OFFLOAD") == "0"  # streamcoll's world-size-1 default was in effect
+    assert "# excess all_reduce; div_ - all_reduce - div_:" in p.stdout
