@@ -38,6 +38,12 @@ rounds:
     python benchmarks/after_call.py --sweep --ranks 1 --rounds 3
     python benchmarks/after_call.py --sweep --ranks 2 --rounds 3 --settings default,offload
 
+``--perf FILE --only VARIANT --reps 1 --calls 100000`` samples one loop
+with Debian's ``perf`` (``apt-get install linux-perf``; software clock only:
+this VM exposes no hardware counters) into ``FILE.<rank>``; ``perf report -i
+FILE.0 --sort dso -n`` then gives the CPU time per library, for the loops
+side by side (``benchmarks/results/after_call_perf_1rank.txt``).
+
 Prints on rank 0, per variant, the median over repetitions of the per-call
 time averaged over ranks, and the excess of each pair over the sum of its
 parts (``all_reduce; div_`` minus ``all_reduce`` minus ``div_``: the issue's
@@ -151,6 +157,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: leave torch's)")
     ap.add_argument("--json", default="", help="also write the medians here")
     ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+    ap.add_argument("--perf", default="",
+                    help="record the timed loops with `perf record -e cpu-clock` into PERF.<rank> (with --only: one loop)")
     ap.add_argument("--sweep", action="store_true", help="run once per --settings, each its own world")
     ap.add_argument("--settings", default=",".join(SETTINGS), help="with --sweep: " + ", ".join(SETTINGS))
     ap.add_argument("--ranks", type=int, default=1, choices=(1, 2), help="with --sweep: world size")
@@ -272,6 +280,12 @@ def main(argv=None) -> int:
     d = min(per_call(div) for _ in range(9))
     nloop = max(1, int(40 * d / min(per_call(pyloop) for _ in range(5))))
     tt = time.thread_time
+    perf = None
+    if a.perf:  # sample only the timed loops (not the imports and init)
+        import subprocess
+        perf = subprocess.Popen(["perf", "record", "-q", "-e", "cpu-clock", "-F", "10000", "-p", str(os.getpid()),
+                                 "-o", f"{a.perf}.{rank}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # perf attaches
     for rep in range(a.reps):
         k = rep % len(names)
         for name in names[k:] + names[:k]:
@@ -285,6 +299,10 @@ def main(argv=None) -> int:
             t1 = pc()
             cpu[name].append((tt() - c0) / a.calls * 1e6)
             times[name].append((t1 - t0) / a.calls * 1e6)
+    if perf is not None:
+        import signal
+        perf.send_signal(signal.SIGINT)
+        perf.wait()
     T = torch.tensor([times[k] for k in names] + [cpu[k] for k in names], dtype=torch.float64)
     comm.all_reduce(T)
     T /= n
