@@ -24,7 +24,9 @@ Variants (``t``, ``u``: 2-element float32 tensors; ``n`` the world size):
 - ``pyloop``, ``all_reduce; pyloop``: a fixed-count Python loop about as
   long as ``div_`` (fixed work: the busy wait above absorbs its own
   slowdown); ``numpy``, ``all_reduce; numpy``, ``div_; numpy``: numpy's
-  in-place divide of a 2-element array (another native library's op).
+  in-place divide of a 2-element array (another native library's op);
+  ``4 ops``, ``all_reduce; 4 ops``: ``div_``, ``add_``, ``mul_``, ``sub_``
+  (does the excess grow with the torch work after the call?).
 
 Each time is taken twice: wall clock, and the calling thread's CPU time
 (``time.thread_time``), which leaves out the time other processes held the
@@ -224,6 +226,16 @@ def main(argv=None) -> int:
         u.div_(1.0)
         u.div_(1.0)
 
+    def four() -> None:  # four different ops: more of torch's code after the call
+        u.div_(1.0)
+        u.add_(0.0)
+        u.mul_(1.0)
+        u.sub_(0.0)
+
+    def ar_four() -> None:
+        ar(t)
+        four()
+
     # Fixed work, not fixed time: a Python loop of k steps (calibrated to
     # about div_'s time below), and numpy's own in-place divide (another
     # native library's kernel and dispatch).
@@ -257,7 +269,7 @@ def main(argv=None) -> int:
         "all_reduce AVG": ar_avg,
         "raw": raw, "raw; div_": raw_div, "spin": spin, "all_reduce; spin": ar_spin, "div_; div_": div_div,
         "pyloop": pyloop, "all_reduce; pyloop": ar_pyloop, "numpy": nump, "all_reduce; numpy": ar_nump,
-        "div_; numpy": div_nump,
+        "div_; numpy": div_nump, "4 ops": four, "all_reduce; 4 ops": ar_four,
     }
     if a.only:
         keep = [k.strip() for k in a.only.split(",")]
@@ -335,7 +347,8 @@ def main(argv=None) -> int:
                                                                      "div_"),
               "all_reduce; pyloop - all_reduce - pyloop": excess("all_reduce; pyloop", "all_reduce", "pyloop"),
               "all_reduce; numpy - all_reduce - numpy": excess("all_reduce; numpy", "all_reduce", "numpy"),
-              "div_; numpy - div_ - numpy": excess("div_; numpy", "div_", "numpy")}
+              "div_; numpy - div_ - numpy": excess("div_; numpy", "div_", "numpy"),
+              "all_reduce; 4 ops - all_reduce - 4 ops": excess("all_reduce; 4 ops", "all_reduce", "4 ops")}
         for k, v in ex.items():
             if v:
                 print(f"# excess {k}: {v} us")
