@@ -25,6 +25,9 @@ Variants (``t``, ``u``: 2-element float32 tensors; ``n`` the world size):
   long as ``div_`` (fixed work: the busy wait above absorbs its own
   slowdown); ``numpy``, ``all_reduce; numpy``, ``div_; numpy``: numpy's
   in-place divide of a 2-element array (another native library's op);
+  ``all_reduce; t.numpy() divide``: AVG's division by numpy on ``t``'s own
+  buffer, a view made per call (what a division that skips torch's
+  dispatcher would cost);
   ``4 ops``, ``all_reduce; 4 ops``: ``div_``, ``add_``, ``mul_``, ``sub_``
   (does the excess grow with the torch work after the call?).
 
@@ -241,7 +244,7 @@ def main(argv=None) -> int:
     # native library's kernel and dispatch).
     import numpy as np
     v = np.ones(2, dtype=np.float32)
-    npdiv, one = np.divide, np.float32(1.0)
+    npdiv, one, nfn = np.divide, np.float32(1.0), np.float32(n)
     nloop = 40
 
     def pyloop() -> None:
@@ -260,6 +263,11 @@ def main(argv=None) -> int:
         ar(t)
         npdiv(v, one, out=v)
 
+    def ar_tnump() -> None:  # AVG's division without torch's dispatcher: numpy on t's own buffer
+        ar(t)
+        a = t.numpy()
+        npdiv(a, nfn, out=a)
+
     def div_nump() -> None:
         u.div_(1.0)
         npdiv(v, one, out=v)
@@ -269,6 +277,7 @@ def main(argv=None) -> int:
         "all_reduce AVG": ar_avg,
         "raw": raw, "raw; div_": raw_div, "spin": spin, "all_reduce; spin": ar_spin, "div_; div_": div_div,
         "pyloop": pyloop, "all_reduce; pyloop": ar_pyloop, "numpy": nump, "all_reduce; numpy": ar_nump,
+        "all_reduce; t.numpy() divide": ar_tnump,
         "div_; numpy": div_nump, "4 ops": four, "all_reduce; 4 ops": ar_four,
     }
     if a.only:
