@@ -3,9 +3,11 @@ of the real thing: a tiny two-rank sweep under torchrun (table and
 nccl-tests format, the latter parsed back as nccl-tests parsers read it),
 the sweep under mpiexec with the MPI column (where ``benchmarks/setup_mpi.sh``
 made its venv: ``scripts/test.sh`` does, in seconds; skipped with the reason
-otherwise), and the one-rank overhead benchmark, checking the JSON they write
-and that their correctness checks really run (an injected wrong result must be
-caught). Timings are never asserted."""
+otherwise), the one-rank overhead benchmark, the DDP step benchmark (2 ranks,
+streamcoll against gloo, parameters compared) and the after-a-oneCCL-call
+reproducer (1 rank), checking the JSON they write and that their correctness
+checks really run (an injected wrong result must be caught). Timings are never
+asserted."""
 from __future__ import annotations
 
 import json
