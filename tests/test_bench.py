@@ -3,9 +3,11 @@ of the real thing: a tiny two-rank sweep under torchrun (table and
 nccl-tests format, the latter parsed back as nccl-tests parsers read it),
 the sweep under mpiexec with the MPI column (where ``benchmarks/setup_mpi.sh``
 made its venv: ``scripts/test.sh`` does, in seconds; skipped with the reason
-otherwise), and the one-rank overhead benchmark, checking the JSON they write
-and that their correctness checks really run (an injected wrong result must be
-caught). Timings are never asserted."""
+otherwise), the one-rank overhead benchmark, the DDP step benchmark (2 ranks,
+streamcoll against gloo, parameters compared) and the after-a-oneCCL-call
+reproducer (1 rank), checking the JSON they write and that their correctness
+checks really run (an injected wrong result must be caught). Timings are never
+asserted."""
 from __future__ import annotations
 
 import json
@@ -387,3 +389,62 @@ def test_sweep_catches_a_wrong_mpi_result(tmp_path):
     assert p.returncode != 0 and "CHECK FAILED" in p.stdout
     r = json.loads((tmp_path / "m.json").read_text())["rows"][0]
     assert r["check"]["mpi"] == "FAIL" and r["check"]["streamcoll"] == "ok" and r["wrong"]["mpi"] == 1
+
+
+# ------------------------------------------------- DDP step time (issue 25)
+def _ddp_step(tmp_path, *args, timeout=120):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           os.path.join(ROOT, "benchmarks", "ddp_step.py"), "--out", str(out), *args]
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    js = tmp_path / "ddp.json"
+    return p, (json.loads(js.read_text()) if js.exists() else None)
+
+
+@needs_oneccl
+@pytest.mark.world
+def test_ddp_step_benchmark_runs_and_checks_against_gloo(tmp_path):
+    """benchmarks/ddp_step.py, briefly: DDP on the streamcoll backend and on
+    gloo in the same two processes, both models; the two runs' parameters
+    agree, each is identical on both ranks, and the same comparison catches
+    a parameter perturbed on one rank (in the same run: one world start
+    keeps this test short). Step times are recorded, never asserted."""
+    p, doc = _ddp_step(tmp_path, "--rounds", "2", "--steps", "2", "--warmup", "1")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert doc is not None and doc["ok"] is True
+    assert [r["model"] for r in doc["results"]] == ["demo", "small-buckets"]
+    for r in doc["results"]:
+        c = r["check"]
+        assert c["steps"] == 1 + 2 * 2 and c["allclose"] and c["identical_on_every_rank"] == {
+            "streamcoll": True, "gloo": True}, r["model"]
+        assert c["catches_a_perturbed_parameter"] is True, r["model"]
+        for lib in ("streamcoll", "gloo"):
+            assert len(r[lib]["step_ms"]) == 4 and all(t > 0 for t in r[lib]["step_ms"]), (r["model"], lib)
+            assert sum(r[lib]["buckets"]) == 4 * r["parameters"], (r["model"], lib)  # float32 gradients
+        assert r["streamcoll"]["buckets"] == r["gloo"]["buckets"]
+    assert len(doc["results"][0]["streamcoll"]["buckets"]) == 1  # 2.25 MB of gradients, a 25 MB cap
+    assert len(doc["results"][1]["streamcoll"]["buckets"]) >= 10  # bucket_cap_mb=1: one per layer
+    assert "CCL_WORKER_OFFLOAD" in doc["meta"]["applied"]  # the streamcoll group really ran on oneCCL
+    assert "# check demo:" in p.stdout and p.stdout.rstrip().endswith("OK")
+
+
+@needs_oneccl
+def test_after_call_reproducer_runs_at_world_size_1(tmp_path):
+    """benchmarks/after_call.py (issue 25, the cost of a torch op right after
+    a oneCCL call), briefly, at world size 1: every variant is timed (wall and
+    the thread's CPU time) and the excesses are computed. Times are never
+    asserted."""
+    out = tmp_path / "after.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "after_call.py"), "--reps", "2", "--calls", "50",
+           "--json", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["world_size"] == 1
+    want = {"all_reduce", "div_", "all_reduce; div_", "all_reduce AVG", "raw", "raw; div_", "spin",
+            "all_reduce; spin", "pyloop", "all_reduce; pyloop", "numpy", "all_reduce; numpy"}
+    assert want <= set(doc["median_us"]) and want <= set(doc["cpu_median_us"])
+    assert all(v > 0 for v in doc["median_us"].values())
+    assert doc["applied"].get("CCL_WORKER_OFFLOAD") == "0"  # streamcoll's world-size-1 default was in effect
+    assert "# excess all_reduce; div_ - all_reduce - div_:" in p.stdout
