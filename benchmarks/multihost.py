@@ -49,7 +49,8 @@ POW2_RING = "recursive_doubling:0-16384;ring:16385-max"
 # name -> (variables, the layouts it is measured at, whether the hosts share a hostname).
 # "defaults" is streamcoll's (no variables); each other row names what it sets on top of
 # them. The 2 x 1 defaults spin inline (2 ranks, 2 cores), 2 x 2 and 4 x 1 (4 ranks on 2
-# cores) hand the collective to oneCCL's worker thread, which yields (streamcoll.env).
+# cores) hand the collective to oneCCL's worker thread, which sleeps while it waits
+# (streamcoll.env; before issue 25 it called sched_yield).
 VARIANTS: Dict[str, tuple] = {
     "defaults": ({}, LAYOUTS, False),
     "defaults, same hostname": ({}, ("2x2",), True),
@@ -59,7 +60,14 @@ VARIANTS: Dict[str, tuple] = {
     # who progresses the collective, and how a waiting rank waits
     "oneCCL defaults (offload on)": ({"CCL_WORKER_OFFLOAD": "1"}, ("2x1", "2x2"), False),
     "offload on + sched_yield": ({"CCL_WORKER_OFFLOAD": "1", "CCL_YIELD": "sched_yield"}, ("2x1",), False),
+    "CCL_YIELD=sched_yield (the default before issue 25)": ({"CCL_YIELD": "sched_yield"}, ("2x2", "4x1"), False),
     "offload on, yield pause": ({"CCL_YIELD": "pause"}, ("2x2", "4x1"), False),
+    "offload on + CCL_YIELD=sleep": ({"CCL_WORKER_OFFLOAD": "1", "CCL_YIELD": "sleep"}, LAYOUTS, False),
+    "offload off + CCL_YIELD=sleep": ({"CCL_WORKER_OFFLOAD": "0", "CCL_YIELD": "sleep"}, LAYOUTS, False),
+    "offload off + CCL_YIELD=sleep + nreduce": (
+        {"CCL_WORKER_OFFLOAD": "0", "CCL_YIELD": "sleep", "CCL_ALLREDUCE": "nreduce"}, ("2x2", "4x1"), False),
+    "offload on + CCL_YIELD=sleep + nreduce": (
+        {"CCL_WORKER_OFFLOAD": "1", "CCL_YIELD": "sleep", "CCL_ALLREDUCE": "nreduce"}, ("2x2", "4x1"), False),
     "offload off (spin)": ({"CCL_WORKER_OFFLOAD": "0"}, ("2x2", "4x1"), False),
     "offload off + sched_yield": ({"CCL_WORKER_OFFLOAD": "0", "CCL_YIELD": "sched_yield"}, ("2x2", "4x1"), False),
     "CCL_WORKER_COUNT=2": ({"CCL_WORKER_COUNT": "2"}, ("4x1",), False),

@@ -408,6 +408,7 @@ if __name__ != "__main__":
                 run.kill()
         info = run.describe()
         over = len(os.sched_getaffinity(0)) < 4  # all four hosts share this machine's cores
+        from streamcoll.env import POW2_ALLREDUCE as env_pow2
         for r in range(4):
             res = run.result(r)
             assert len(res.get("compared", ())) == 9, f"rank {r} did not finish\n{info}"
@@ -416,6 +417,8 @@ if __name__ != "__main__":
             assert applied.get("CCL_KVS_IFACE") == "mn0" and applied.get("CCL_MNIC_NAME") == "mn0", applied
             assert "FI_PROVIDER" not in applied and "CCL_ATL_SHM" not in applied, applied
             assert applied.get("CCL_WORKER_OFFLOAD") == ("1" if over else "0"), applied
+            assert applied.get("CCL_YIELD") == ("sleep" if over else None), applied  # not sched_yield (issue 25)
+            assert applied.get("CCL_ALLREDUCE") == ("nreduce" if over else env_pow2), applied
 
     def test_same_hostname_and_pid_fails_at_once(tmp_path):
         """Equal hostnames and equal process ids on the two hosts (containers
