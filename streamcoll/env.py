@@ -87,11 +87,11 @@ rendezvous address come from :mod:`streamcoll.topology`):
   the timer slack (about 50 us), where a ``sched_yield``-ing thread stays
   runnable and gets its core straight back. Measured (issue 25,
   ``benchmarks/multihost.py``, 4 x 1 and 2 x 2 simulated hosts = 4 ranks on
-  2 cores, load 6-12): 4 B 0.74-1.5 ms against 5-12 ms with
-  ``sched_yield``, in every paired run; 16 MB busbw 0.65-0.97x gloo against
-  0.40-0.75x. ``nreduce`` (one exchange per phase instead of ring's n - 1
-  rounds of waiting) on top: 16 MB 0.68-1.41x gloo, its GB/s above oneCCL's
-  own choice in 6 runs of 6, 4 B within the noise. Worker count 2, spin
+  2 cores, load 5.5-12.5): 4 B 0.74-1.5 ms against 5.4-10.1 ms with
+  ``sched_yield`` and 16 MB GB/s higher, in every pair of runs (16 MB busbw
+  0.65-0.97x gloo against 0.29-0.75x). ``nreduce`` (one exchange per phase
+  instead of ring's n - 1 rounds of waiting) on top: 16 MB 0.68-1.41x gloo,
+  its GB/s above oneCCL's own choice in 7 pairs of 7, 4 B within the noise. Worker count 2, spin
   count 10, ``CCL_WORKER_WAIT=1``, inline spinning, ring chunking and
   ``FI_PROVIDER=tcp`` or ``tcp;ofi_rxm`` beat none of these in every run.
 - ``CCL_ATL_SHM=1`` on every rank (shared memory between the ranks of one
