@@ -392,6 +392,29 @@ if __name__ != "__main__":
             agreed.append(tuple(res["applied"].get(k) for k in keys))
         assert len(set(agreed)) == 1 and agreed[0][3] == "1" and agreed[0][4] is None, agreed
 
+    def test_switch_is_cleaned_up_after_a_failure_and_a_crash():
+        """Four hosts on a switch: a set-up step that fails deletes every
+        namespace made so far (the switch's too), and the namespaces of a
+        creator that was SIGKILLed are swept by the next ``Hosts``."""
+        def ours(prefix):
+            return sorted(n for n in os.listdir(netns.NETNS_DIR) if n.startswith(prefix))
+        bad = netns.Hosts(("a", "b", "c", "d"), subnet="10.77.999")  # an address ip refuses, after the switch exists
+        with pytest.raises(subprocess.CalledProcessError):
+            bad.__enter__()
+        assert ours(f"{netns.PREFIX}{os.getpid()}-") == [], "a failed set-up left namespaces"
+        code = ("import sys, time; sys.path.insert(0, %r); import netns\n"
+                "netns.Hosts(('a', 'b', 'c', 'd')).__enter__(); print('up', flush=True); time.sleep(60)" % HERE)
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            assert p.stdout.readline().strip() == "up"
+            left = ours(f"{netns.PREFIX}{p.pid}-")
+        finally:
+            p.kill()
+            p.wait(10)
+        assert len(left) == 5 and left[-1].endswith("-sw"), left
+        with netns.Hosts(("a", "b")):
+            assert ours(f"{netns.PREFIX}{p.pid}-") == []
+
     def test_four_hosts_against_gloo(tmp_path):
         """4 hosts x 1 rank on one switch (a bridge), no variables (issue
         25): the same collectives on gloo and streamcoll in the same
