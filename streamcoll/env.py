@@ -76,10 +76,24 @@ rendezvous address come from :mod:`streamcoll.topology`):
   hangs when the right one sorts after ``lo``. No ``CCL_MNIC_NAME`` where the
   user set ``CCL_MNIC`` (oneCCL's multi-NIC selection, which one name would
   narrow to one interface).
-- ``CCL_WORKER_OFFLOAD``/``CCL_YIELD`` as on one host; the ranks counted
-  are those of each *machine* (same boot id: simulated hosts or containers
-  share its cores); ``CCL_ALLREDUCE`` as on one host where no machine is
-  oversubscribed (else oneCCL's own).
+- ``CCL_WORKER_OFFLOAD`` as on one host; the ranks counted are those of
+  each *machine* (same boot id: simulated hosts or containers share its
+  cores); ``CCL_ALLREDUCE`` as on one host (``nreduce`` where some machine is
+  oversubscribed).
+- Oversubscribed across hosts, ``CCL_YIELD=sleep`` instead of
+  ``sched_yield``: the bytes between hosts go through the kernel's TCP stack,
+  whose copies need the very cores the waiting ranks hold; oneCCL's ``sleep``
+  is ``nanosleep(0)``, which takes the waiting thread off the run queue for
+  the timer slack (about 50 us), where a ``sched_yield``-ing thread stays
+  runnable and gets its core straight back. Measured (issue 25,
+  ``benchmarks/multihost.py``, 4 x 1 and 2 x 2 simulated hosts = 4 ranks on
+  2 cores, load 5.5-12.5): 4 B 0.74-1.5 ms against 5.4-10.1 ms with
+  ``sched_yield`` and 16 MB GB/s higher, in every pair of runs (16 MB busbw
+  0.65-0.97x gloo against 0.29-0.75x). ``nreduce`` (one exchange per phase
+  instead of ring's n - 1 rounds of waiting) on top: 16 MB 0.68-1.41x gloo,
+  its GB/s above oneCCL's own choice in 7 pairs of 7, 4 B within the noise. Worker count 2, spin
+  count 10, ``CCL_WORKER_WAIT=1``, inline spinning, ring chunking and
+  ``FI_PROVIDER=tcp`` or ``tcp;ofi_rxm`` beat none of these in every run.
 - ``CCL_ATL_SHM=1`` on every rank (shared memory between the ranks of one
   host, the network between hosts) when some host has several ranks and no
   two hosts share a hostname: oneCCL groups its shm peers by hostname, and
@@ -218,7 +232,8 @@ def agreed_defaults(topo: "Topology") -> Dict[str, str]:
     d: Dict[str, str] = {}
     if over:
         d["CCL_WORKER_OFFLOAD"] = "1"
-        d["CCL_YIELD"] = "sched_yield"
+        # Across hosts the kernel's TCP stack needs the cores the waiting ranks hold: sleep, not sched_yield.
+        d["CCL_YIELD"] = "sched_yield" if topo.single_host else "sleep"
     else:
         d["CCL_WORKER_OFFLOAD"] = "0"
     if topo.single_host:
@@ -226,8 +241,7 @@ def agreed_defaults(topo: "Topology") -> Dict[str, str]:
         d["FI_PROVIDER"] = "shm"
         d["CCL_ALLREDUCE"] = POW2_ALLREDUCE if pow2 and not over else "nreduce"
     else:
-        if not over:
-            d["CCL_ALLREDUCE"] = POW2_ALLREDUCE if pow2 else "nreduce"
+        d["CCL_ALLREDUCE"] = POW2_ALLREDUCE if pow2 and not over else "nreduce"
         if any(len(h) > 1 for h in topo.hosts) and topo.hostnames_tell_hosts_apart:
             d["CCL_ATL_SHM"] = "1"
     return d

@@ -67,7 +67,7 @@ TABLE: Tuple[EnvVar, ...] = (
     EnvVar("CCL_LOCAL_SIZE", "applied", "the ranks on its host", "oneCCL's local size"),
     EnvVar("CCL_WORKER_OFFLOAD", "applied", "0 (1 when some machine's ranks cannot have a core each)",
            "run collectives on the calling thread; equal on every rank (checked)"),
-    EnvVar("CCL_YIELD", "applied", "sched_yield (when offloading)",
+    EnvVar("CCL_YIELD", "applied", "sched_yield (when offloading; several hosts: sleep)",
            "oversubscribed: waiting ranks yield their core; equal on every rank (checked)"),
     EnvVar("CCL_ATL_SHM", "applied", "1 (several hosts: where a host has several ranks)",
            "shared-memory transport inside hosts; equal on every rank (checked)"),

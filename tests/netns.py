@@ -1,17 +1,21 @@
-"""Simulated hosts on one machine: Linux network namespaces joined by a veth
-pair, each process started in private UTS, IPC, mount and PID namespaces
-with its own tmpfs on ``/dev/shm``. Two such hosts share nothing a real pair
-of machines would not share (no loopback, no shared memory, no hostname),
-except the CPU cores and the file system.
+"""Simulated hosts on one machine: Linux network namespaces, each process
+started in private UTS, IPC, mount and PID namespaces with its own tmpfs on
+``/dev/shm``. Two hosts are joined by a veth pair; more (or two, with
+``switch=True``) by a switch: a Linux bridge inside a namespace of its own,
+one veth from each host into it, as machines on one Ethernet switch. Such
+hosts share nothing real machines would not share (no loopback, no shared
+memory, no hostname), except the CPU cores and the file system.
 
 Traffic stays on the machine: the addresses (``10.77.0.0/24`` by default) are
-put on the veth interfaces inside the namespaces only, with no route out.
+put on the hosts' veth ends inside their namespaces only, with no route out;
+the bridge has no address and its namespace no route.
 
 Needs root (``ip netns add``); :func:`unavailable` says why not where it
-cannot work. Namespaces are named ``sc13-<pid>-<n>-<host>``; every ``Hosts``
-deletes its own on exit, even after a failure, and deletes those left by a
-process that no longer exists (a crashed run). Every command that touches
-them has a timeout.
+cannot work. Namespaces are named ``sc13-<pid>-<n>-<host>`` (the switch's
+``sc13-<pid>-<n>-sw``); every ``Hosts`` deletes its own on exit, even after a
+failure (deleting a namespace deletes the veths and the bridge in it), and
+deletes those left by a process that no longer exists (a crashed run). Every
+command that touches them has a timeout.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import itertools
 import os
 import shutil
 import subprocess
+import time
 from typing import Dict, List, Optional, Sequence
 
 PREFIX = "sc13-"
@@ -97,19 +102,31 @@ def clean_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 
 
 class Hosts:
-    """``len(hostnames)`` simulated hosts on one veth link (two: a pair; a
-    veth has two ends). Host ``i`` has address ``subnet.(i+1)`` on ``iface``."""
+    """``len(hostnames)`` simulated hosts (2 to 250). Host ``i`` has address
+    ``subnet.(i+1)`` on ``iface``. Two hosts are a veth pair unless
+    ``switch`` is True; more are always on a switch (``switch=False`` is an
+    error there). ``pid_shift[i]``: processes started and ended first in host
+    ``i``'s fresh PID namespace (default none), so hosts started alike need
+    not give their ranks equal pids."""
 
     def __init__(self, hostnames: Sequence[str] = ("node", "node"), iface: str = "mn0",
-                 subnet: str = "10.77.0", pid_shift: Sequence[int] = (0, 0)) -> None:
-        if len(hostnames) != 2:
-            raise ValueError("a veth pair joins exactly two hosts")
+                 subnet: str = "10.77.0", pid_shift: Optional[Sequence[int]] = None,
+                 switch: Optional[bool] = None) -> None:
+        if not 2 <= len(hostnames) <= 250:
+            raise ValueError(f"hostnames: 2 to 250 hosts, got {len(hostnames)}")
+        if switch is False and len(hostnames) > 2:
+            raise ValueError(f"switch=False: a veth pair joins two hosts, not {len(hostnames)}")
+        shift = [0] * len(hostnames) if pid_shift is None else list(pid_shift)
+        if len(shift) != len(hostnames):
+            raise ValueError(f"pid_shift: one per host ({len(hostnames)}), got {len(shift)}")
         self.hostnames = list(hostnames)
         self.iface = iface
         self.subnet = subnet
-        self.pid_shift = list(pid_shift)  # processes started first in host i's fresh PID namespace
+        self.pid_shift = shift
+        self.switch = len(hostnames) > 2 if switch is None else switch
         n = next(_COUNTER)
         self.names = [f"{PREFIX}{os.getpid()}-{n}-{i}" for i in range(len(hostnames))]
+        self.switch_name = f"{PREFIX}{os.getpid()}-{n}-sw"
         self.created: List[str] = []
 
     def addr(self, i: int) -> str:
@@ -125,8 +142,11 @@ class Hosts:
                 os.makedirs(os.path.join(ETC_NETNS, name), exist_ok=True)
                 with open(os.path.join(ETC_NETNS, name, "hosts"), "w") as f:
                     f.write(f"127.0.0.1 localhost\n{self.addr(i)} {self.hostnames[i]}\n")
-            a, b = self.names
-            _ip("link", "add", self.iface, "netns", a, "type", "veth", "peer", "name", self.iface, "netns", b)
+            if self.switch:
+                self._cable_to_switch()
+            else:
+                a, b = self.names
+                _ip("link", "add", self.iface, "netns", a, "type", "veth", "peer", "name", self.iface, "netns", b)
             for i, name in enumerate(self.names):
                 _ip("-n", name, "addr", "add", f"{self.addr(i)}/24", "dev", self.iface)
                 _ip("-n", name, "link", "set", "lo", "up")
@@ -135,6 +155,19 @@ class Hosts:
             self.close()
             raise
         return self
+
+    def _cable_to_switch(self) -> None:
+        """A bridge ``br0`` in the switch's namespace and one veth per host:
+        ``iface`` in the host, ``p<i>`` on the bridge."""
+        sw = self.switch_name
+        _ip("netns", "add", sw)
+        self.created.append(sw)
+        _ip("-n", sw, "link", "add", "br0", "type", "bridge")
+        for i, name in enumerate(self.names):
+            _ip("link", "add", self.iface, "netns", name, "type", "veth", "peer", "name", f"p{i}", "netns", sw)
+            _ip("-n", sw, "link", "set", f"p{i}", "master", "br0")
+            _ip("-n", sw, "link", "set", f"p{i}", "up")
+        _ip("-n", sw, "link", "set", "br0", "up")
 
     def command(self, i: int, argv: Sequence[str]) -> List[str]:
         """``argv`` run as a process of host ``i``: its network namespace,
@@ -148,12 +181,12 @@ class Hosts:
                 self.hostnames[i], *argv]
 
     def close(self) -> None:
+        """Delete every namespace this ``Hosts`` made (bounded retries)."""
         for name in reversed(self.created):
             for _ in range(5):  # bounded: a namespace still in use by a dying process may need a moment
                 if _ip("netns", "del", name, check=False).returncode == 0 or not os.path.exists(
                         os.path.join(NETNS_DIR, name)):
                     break
-                import time
                 time.sleep(0.2)
             shutil.rmtree(os.path.join(ETC_NETNS, name), ignore_errors=True)
         self.created = []

@@ -1,5 +1,6 @@
-"""Several hosts, simulated (issue 13): two network namespaces joined by a
-veth pair named ``mn0`` (it sorts after ``lo``, which oneCCL's own NIC choice
+"""Several hosts, simulated (issues 13, 25): network namespaces, two joined
+by a veth pair, four by a bridge in a switch namespace, the interface named
+``mn0`` on each host (it sorts after ``lo``, which oneCCL's own NIC choice
 takes first), each host with its own hostname, IPC, PID namespace and
 ``/dev/shm`` (``tests/netns.py``). The ranks get a clean environment: no
 oneCCL, NCCL, libfabric or interface variable (the suite's own loopback
@@ -13,7 +14,8 @@ world runs every collective and checks the values, then one rank SIGKILLs
 itself in a run of all_reduces and the survivors must end within the
 timeout plus 2 s, the flight records naming the dead rank. Plus: an
 interface variable that cannot work across hosts (``CCL_KVS_IFACE=lo``)
-fails at once on every rank, saying why.
+fails at once on every rank, saying why. And 4 hosts x 1 rank on the
+switch, gloo and streamcoll in the same processes, values compared.
 
 Skips with the reason where namespaces cannot be created (not root, no
 ``ip``/``unshare``). ``python tests/test_multihost.py host|rank ...`` is the
@@ -170,7 +172,51 @@ def _fail_fast() -> None:
     _out(f"rank{rank}.json", res)
 
 
-SCENARIOS = {"world": _world, "fail_fast": _fail_fast}
+def _against_gloo() -> None:
+    """gloo and streamcoll in the same process (streamcoll reuses the
+    process group's store): the same inputs through both, every result
+    compared, integer-valued where the order of a sum would matter."""
+    import datetime
+    import torch
+    import torch.distributed as dist
+    import streamcoll
+    from streamcoll import env
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    comm = streamcoll.init(timeout=60)
+    r, n = comm.rank, comm.size
+    gen = torch.Generator().manual_seed(1000 + r)
+    res: Dict[str, object] = {"applied": dict(env.APPLIED), "hosts": comm.topology.hosts, "compared": []}
+
+    def both(name, fn, *tensors, exact=True):
+        mine = [t.clone() for t in tensors]
+        ref = [t.clone() for t in tensors]
+        fn(streamcoll, *mine)
+        fn(dist, *ref)
+        for a, b in zip(mine, ref):
+            if not (torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-5, atol=1e-5)):
+                raise AssertionError(f"rank {r}: {name}: streamcoll {a[:4].tolist()}... gloo {b[:4].tolist()}... "
+                                     f"(max |diff| {(a - b).abs().max().item()})")
+        res["compared"].append(name)  # type: ignore[union-attr]
+
+    ints = lambda *shape: torch.randint(-1000, 1000, shape, generator=gen).float()  # noqa: E731
+    both("all_reduce SUM", lambda m, t: m.all_reduce(t), ints(1000))
+    both("all_reduce SUM 4 MB", lambda m, t: m.all_reduce(t), ints(1 << 20))
+    both("all_reduce SUM 4 MB random", lambda m, t: m.all_reduce(t), torch.randn(1 << 20, generator=gen),
+         exact=False)
+    both("all_reduce MAX", lambda m, t: m.all_reduce(t, op=m.ReduceOp.MAX), ints(1000))
+    both("all_reduce MIN 4 MB", lambda m, t: m.all_reduce(t, op=m.ReduceOp.MIN), ints(1 << 20))
+    both("broadcast", lambda m, t: m.broadcast(t, src=n - 1), ints(1 << 18))
+    both("all_gather_into_tensor", lambda m, o, i: m.all_gather_into_tensor(o, i), torch.empty(4 * n), ints(4))
+    both("reduce_scatter_tensor", lambda m, o, i: m.reduce_scatter_tensor(o, i), torch.empty(1 << 16),
+         ints(n << 16))
+    both("all_to_all_single", lambda m, o, i: m.all_to_all_single(o, i), torch.empty(8 * n), ints(8 * n))
+    streamcoll.destroy()
+    dist.destroy_process_group()
+    _out(f"rank{rank}.json", res)
+
+
+SCENARIOS = {"world": _world, "fail_fast": _fail_fast, "against_gloo": _against_gloo}
 
 
 def _host(layout: List[int], group: int, scenario: str) -> None:
@@ -210,12 +256,16 @@ if __name__ != "__main__":
                   pytest.mark.skipif(_WHY is not None, reason=f"simulated hosts unavailable: {_WHY}")]
 
     class Run(Processes):
-        """One world on two simulated hosts, watched until every host ends."""
+        """One world on simulated hosts, watched until every host ends.
+        ``per_host``: ranks on each host (an int: the same on every one)."""
 
         def __init__(self, tmp, hosts: "netns.Hosts", per_host, scenario: str, torchrun: bool = False,
                      env: Optional[Dict[str, str]] = None) -> None:
             super().__init__(str(tmp))
-            self.layout = [per_host] * 2 if isinstance(per_host, int) else list(per_host)
+            nhosts = len(hosts.names)
+            self.layout = [per_host] * nhosts if isinstance(per_host, int) else list(per_host)
+            if len(self.layout) != nhosts:
+                raise ValueError(f"per_host: one size per host ({nhosts}), got {self.layout}")
             self.host_of = [h for h, n in enumerate(self.layout) for _ in range(n)]
             self.flight_dir = os.path.join(self.dir, "flight")
             os.makedirs(self.flight_dir)
@@ -224,9 +274,9 @@ if __name__ != "__main__":
                     "STREAMCOLL_FLIGHT_DIR": self.flight_dir, "PYTHONPATH": os.pathsep.join(
                         p for p in (os.path.dirname(HERE), os.environ.get("PYTHONPATH")) if p)}
             base.update(env or {})
-            for g in range(2):
+            for g in range(nhosts):
                 if torchrun:
-                    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(g),
+                    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nhosts), "--node-rank", str(g),
                             "--nproc-per-node", str(per_host), "--master-addr", hosts.addr(0), "--master-port",
                             str(port), "--monitor-interval", "0.1", __file__, "rank", scenario]
                 else:
@@ -253,7 +303,7 @@ if __name__ != "__main__":
 
         def describe(self) -> str:
             parts = []
-            for g in range(2):
+            for g in range(len(self.layout)):
                 with open(os.path.join(self.dir, f"host{g}.log")) as f:
                     parts.append(f"--- host {g}: exit {self.procs[g].returncode}\n{f.read()[-4000:]}")
             for r in range(len(self.host_of)):
@@ -341,6 +391,57 @@ if __name__ != "__main__":
             assert res["applied"].get("CCL_KVS_IFACE") == "mn0", res
             agreed.append(tuple(res["applied"].get(k) for k in keys))
         assert len(set(agreed)) == 1 and agreed[0][3] == "1" and agreed[0][4] is None, agreed
+
+    def test_switch_is_cleaned_up_after_a_failure_and_a_crash():
+        """Four hosts on a switch: a set-up step that fails deletes every
+        namespace made so far (the switch's too), and the namespaces of a
+        creator that was SIGKILLed are swept by the next ``Hosts``."""
+        def ours(prefix):
+            return sorted(n for n in os.listdir(netns.NETNS_DIR) if n.startswith(prefix))
+        bad = netns.Hosts(("a", "b", "c", "d"), subnet="10.77.999")  # an address ip refuses, after the switch exists
+        with pytest.raises(subprocess.CalledProcessError):
+            bad.__enter__()
+        assert ours(f"{netns.PREFIX}{os.getpid()}-") == [], "a failed set-up left namespaces"
+        code = ("import sys, time; sys.path.insert(0, %r); import netns\n"
+                "netns.Hosts(('a', 'b', 'c', 'd')).__enter__(); print('up', flush=True); time.sleep(60)" % HERE)
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            assert p.stdout.readline().strip() == "up"
+            left = ours(f"{netns.PREFIX}{p.pid}-")
+        finally:
+            p.kill()
+            p.wait(10)
+        assert len(left) == 5 and left[-1].endswith("-sw"), left
+        with netns.Hosts(("a", "b")):
+            assert ours(f"{netns.PREFIX}{p.pid}-") == []
+
+    def test_four_hosts_against_gloo(tmp_path):
+        """4 hosts x 1 rank on one switch (a bridge), no variables (issue
+        25): the same collectives on gloo and streamcoll in the same
+        processes give the same values; every rank finds four hosts, the
+        routed interface, and the transport defaults for 4 ranks on this
+        machine's cores (streamcoll.env)."""
+        names = ("node-a", "node-b", "node-c", "node-d")
+        with netns.Hosts(names, pid_shift=(0, 5, 10, 15)) as hosts:
+            assert hosts.switch
+            run = Run(tmp_path, hosts, 1, "against_gloo")
+            try:
+                run.wait(150)
+            finally:
+                run.kill()
+        info = run.describe()
+        over = len(os.sched_getaffinity(0)) < 4  # all four hosts share this machine's cores
+        from streamcoll.env import POW2_ALLREDUCE as env_pow2
+        for r in range(4):
+            res = run.result(r)
+            assert len(res.get("compared", ())) == 9, f"rank {r} did not finish\n{info}"
+            assert res["hosts"] == [[0], [1], [2], [3]], res
+            applied = res["applied"]
+            assert applied.get("CCL_KVS_IFACE") == "mn0" and applied.get("CCL_MNIC_NAME") == "mn0", applied
+            assert "FI_PROVIDER" not in applied and "CCL_ATL_SHM" not in applied, applied
+            assert applied.get("CCL_WORKER_OFFLOAD") == ("1" if over else "0"), applied
+            assert applied.get("CCL_YIELD") == ("sleep" if over else None), applied  # not sched_yield (issue 25)
+            assert applied.get("CCL_ALLREDUCE") == ("nreduce" if over else env_pow2), applied
 
     def test_same_hostname_and_pid_fails_at_once(tmp_path):
         """Equal hostnames and equal process ids on the two hosts (containers

@@ -107,7 +107,22 @@ def test_several_hosts_defaults():
                     "CCL_LOCAL_SIZE": "1", "CCL_LOG_LEVEL": "error"}, plan
     assert env.agreed_defaults(Topology.from_facts(_hosts([2, 1]), 0))["CCL_ALLREDUCE"] == "nreduce"
     over = env.agreed_defaults(Topology.from_facts(_hosts([2, 2], machines={1: "M0"}), 0))  # 4 ranks, 2 cores
-    assert over == {"CCL_WORKER_OFFLOAD": "1", "CCL_YIELD": "sched_yield", "CCL_ATL_SHM": "1"}, over
+    assert over == {"CCL_WORKER_OFFLOAD": "1", "CCL_YIELD": "sleep", "CCL_ATL_SHM": "1", "CCL_ALLREDUCE": "nreduce"}, over
+
+
+def test_oversubscribed_hosts_sleep_one_host_yields():
+    """4 hosts x 1 rank on one 2-core machine (issue 25): the worker thread
+    waits by sleeping (oneCCL's ``nanosleep(0)``), which leaves the cores to
+    the kernel's TCP work, and the all-reduce is nreduce (measured, not
+    oneCCL's own choice); on one host (shared memory, no kernel work) the
+    measured ``sched_yield`` stays."""
+    four = env.agreed_defaults(Topology.from_facts(_hosts([1, 1, 1, 1], machines={1: "M0", 2: "M0", 3: "M0"}), 2))
+    assert four == {"CCL_WORKER_OFFLOAD": "1", "CCL_YIELD": "sleep", "CCL_ALLREDUCE": "nreduce"}, four
+    one = env.agreed_defaults(Topology.from_facts(_hosts([3]), 0))  # 3 ranks, 2 cores, one host
+    assert one["CCL_WORKER_OFFLOAD"] == "1" and one["CCL_YIELD"] == "sched_yield", one
+    spare = env.agreed_defaults(Topology.from_facts(_hosts([1, 1, 1, 1], cpus=tuple(range(8)),
+                                                             machines={1: "M0", 2: "M0", 3: "M0"}), 0))
+    assert spare["CCL_WORKER_OFFLOAD"] == "0" and "CCL_YIELD" not in spare, spare  # a core each: spin
     same_name = Topology.from_facts(_hosts([2, 2], hostnames={1: "node0"}), 0)
     assert "CCL_ATL_SHM" not in env.agreed_defaults(same_name)  # oneCCL would mix the hosts up
     assert "CCL_KVS_IFACE" not in env.plan(Topology.from_facts([dataclasses.replace(f, route=None) for f in _hosts([1, 1])], 0), "oneccl", environ={}, running={})
