@@ -11,6 +11,7 @@ import torch
 
 import streamcoll
 from streamcoll import ReduceOp
+from world import comm_thread
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64,
           torch.int8, torch.uint8, torch.int32, torch.int64]
@@ -484,9 +485,23 @@ def w_coalescing(comm):
 
 
 # ---------------------------------------------------------------- tests
+def _queued(comm, fn, *args):
+    """``fn(comm, *args)`` with every async call on the comm thread."""
+    with comm_thread(comm):
+        return fn(comm, *args)
+
+
+def _how(fn, async_op: bool) -> tuple:
+    """What ``world.run`` gets: the ``async`` cases run their calls on the
+    comm thread (the general planner and the queued strategy, which small
+    async calls would otherwise skip by running inline on the fast path the
+    ``sync`` cases check; tests/test_streams.py checks the inline strategy)."""
+    return (_queued, fn, True) if async_op else (fn, False)
+
+
 @pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
 def test_all_reduce_every_op_and_dtype(world, async_op):
-    res = world.run(w_all_reduce_matrix, async_op)
+    res = world.run(*_how(w_all_reduce_matrix, async_op))
     assert res == [len(DTYPES) * len(OPS)] * world.size
 
 
@@ -496,17 +511,17 @@ def test_all_reduce_torch_ops_premul_bool_numpy(world):
 
 @pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
 def test_broadcast_and_reduce(world, async_op):
-    assert world.run(w_broadcast_reduce, async_op, timeout=120) == [True] * world.size
+    assert world.run(*_how(w_broadcast_reduce, async_op), timeout=120) == [True] * world.size
 
 
 @pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
 def test_gathers_and_scatters(world, async_op):
-    assert world.run(w_gathers_scatters, async_op, timeout=120) == [True] * world.size
+    assert world.run(*_how(w_gathers_scatters, async_op), timeout=120) == [True] * world.size
 
 
 @pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
 def test_all_to_all_even_uneven_lists(world, async_op):
-    assert world.run(w_all_to_all, async_op) == [True] * world.size
+    assert world.run(*_how(w_all_to_all, async_op)) == [True] * world.size
 
 
 def test_point_to_point(world):
