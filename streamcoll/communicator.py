@@ -657,6 +657,12 @@ class Communicator(CollectiveMethods):
             lock.release()
         if handle is not None:
             wait = max(t, ABORT_LOCK_WAIT_S)
+            if self._backend.turnstile is not None and any(
+                    c is not self and c._backend is self._backend and c._failed is not None and c._in_library()
+                    for c in list(_LIVE)):
+                # a call inside a failed communicator may hold the turn and never return
+                # (oneCCL cannot abort): do not wait this communicator's whole timeout for it
+                wait = ABORT_LOCK_WAIT_S
             with self._backend.serial(wait) as turn:
                 if not turn:
                     log.warning("streamcoll: destroy(%s): an earlier oneCCL call of this process has not returned "

@@ -210,6 +210,36 @@ def test_queued_work_of_a_failed_communicator_never_runs_and_reports_failure(mon
 
 
 @needs_oneccl
+def test_destroy_does_not_wait_its_timeout_behind_a_failed_communicators_stuck_call(monkeypatch, caplog):
+    """oneCCL's calls take turns (streamcoll.turnstile): a call stuck inside a
+    failed communicator A (its peer gone; oneCCL cannot abort) holds the turn
+    for good. Destroying a healthy B then waits ABORT_LOCK_WAIT_S, not B's
+    timeout, and says why, leaving B's native communicator allocated."""
+    from streamcoll.communicator import ABORT_LOCK_WAIT_S
+    monkeypatch.setenv("STREAMCOLL_WATCHDOG", "off")
+    monkeypatch.setenv("STREAMCOLL_INLINE_ASYNC_BYTES", "0")  # the stuck call: the comm thread's
+    a, b = _comm(name="stuck-a"), _comm(name="healthy-b", timeout=60)
+    gate = threading.Event()
+    try:
+        w = a._launch("broadcast", _plan(lambda h: (gate.wait(30), 0)[1], torch.ones(2)), True, None)
+        time.sleep(0.2)
+        a.mark_failed(RuntimeError("peer gone"))
+        t0 = time.monotonic()
+        with caplog.at_level("WARNING", logger="streamcoll"):
+            b.destroy()
+        took = time.monotonic() - t0
+        assert ABORT_LOCK_WAIT_S - 0.5 < took < ABORT_LOCK_WAIT_S + 5, took
+        assert "left allocated" in caplog.text and "healthy-b" in caplog.text, caplog.text
+        assert b._destroyed
+        with pytest.raises(CommunicatorError):
+            w.wait()
+    finally:
+        gate.set()
+        time.sleep(0.2)
+        a.destroy()
+
+
+@needs_oneccl
 def test_work_declared_stuck_fails_in_every_reader(monkeypatch, tmp_path):
     """Issue 21 (4): a call declared stuck (wait() raised CollectiveTimeout)
     that completes afterwards is still failed for exception(), is_success()
