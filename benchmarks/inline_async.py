@@ -23,23 +23,18 @@ microseconds; ``--out PREFIX`` also writes PREFIX.txt and PREFIX.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
 from typing import Callable, Dict, List
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from common import per_call_us as _per_call, single_process_defaults, write_out  # noqa: E402
 
 SIZES = (4, 64, 1024, 4096, 16384, 65536, 262144, 1048576)
-
-
-def _per_call(f: Callable[[], object], calls: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        f()
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def main(argv=None) -> int:
@@ -49,10 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="message sizes in bytes")
     ap.add_argument("--out", default="", help="write PREFIX.txt and PREFIX.json")
     a = ap.parse_args(argv)
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29571")
+    single_process_defaults(29571)
     import torch
     import streamcoll
 
@@ -119,11 +111,7 @@ def main(argv=None) -> int:
         text = "\n".join(lines)
         print(text, flush=True)
         if a.out:
-            os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-            with open(a.out + ".txt", "w") as f:
-                f.write(text + "\n")
-            with open(a.out + ".json", "w") as f:
-                json.dump({"world_size": n, "load": load, "rows": rows, "threshold": thr}, f, indent=1)
+            write_out(a.out, text, {"world_size": n, "load": load, "rows": rows, "threshold": thr})
     hand.destroy()
     inl.destroy()
     streamcoll.destroy()

@@ -22,19 +22,14 @@ binding), so two trees can be compared on one machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
 from typing import Callable, Dict, List
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-def _per_call(f: Callable[[], object], calls: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        f()
-    return (time.perf_counter() - t0) / calls * 1e6
+from common import per_call_us as _per_call, single_process_defaults, write_out  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -44,10 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--label", default="", help="a name for this tree in the output")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29583")
+    single_process_defaults(29583)
     import torch
     import torch.distributed as dist
     import streamcoll
@@ -103,12 +95,8 @@ def main(argv=None) -> int:
         text = "\n".join(lines)
         print(text, flush=True)
         if a.out:
-            os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-            with open(a.out + ".txt", "w") as f:
-                f.write(text + "\n")
-            with open(a.out + ".json", "w") as f:
-                json.dump({"label": a.label, "world_size": n, "load": load,
-                           "rows": {k: [round(x, 3) for x in v] for k, v in times.items()}}, f, indent=1)
+            write_out(a.out, text, {"label": a.label, "world_size": n, "load": load,
+                                    "rows": {k: [round(x, 3) for x in v] for k, v in times.items()}})
     comm.destroy()
     dist.destroy_process_group()
     return 0

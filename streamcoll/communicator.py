@@ -933,10 +933,16 @@ class Communicator(CollectiveMethods):
 
     def _execute_device(self, plan: Plan, e: FlightEntry, h: Any) -> None:
         """Launch a plan on a GPU comm stream (completion is the event's)."""
-        with self._backend.serial():  # oneCCL on XPU: one call at a time in the process, in issue order
+        ts = self._backend.turnstile
+        if ts is None:  # NCCL: calls on different communicators may run at once; nothing on this path
             rc = plan.fn(*plan.args, h)
             if rc:
                 self._raise_rc(plan.cname, rc)
+        else:  # oneCCL on XPU: one call at a time in the process, in issue order (its last error too)
+            with ts.hold():
+                rc = plan.fn(*plan.args, h)
+                if rc:
+                    self._raise_rc(plan.cname, rc)
         if plan.post is not None:
             plan.post()
 

@@ -358,19 +358,25 @@ def _scenario_b(rank: int, isend, recv, all_reduce_b) -> List[float]:
     return x.tolist() + y.tolist()
 
 
+def _scenarios_on_process_group(backend: str, port: int, r: int, n: int) -> tuple:
+    """3(a) and 3(b) through torch.distributed on ``backend`` (B: a new group)."""
+    _gloo_init(port, r, n, backend)
+    try:
+        b = dist.new_group(list(range(n)))
+        got = (_scenario_a(dist.irecv, dist.isend, 1 - r, r),
+               _scenario_b(r, dist.isend, dist.recv, lambda y: dist.all_reduce(y, group=b)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return got
+
+
 def _p2p_progress(comm, port_gloo: int, port_sc: int):
     r, n = comm.rank, comm.size
     peer = 1 - r
     out: Dict[str, object] = {}
     # gloo: what torch's semantics give
-    _gloo_init(port_gloo, r, n)
-    try:
-        b = dist.new_group(list(range(n)))
-        out["gloo_a"] = _scenario_a(dist.irecv, dist.isend, peer, r)
-        out["gloo_b"] = _scenario_b(r, dist.isend, dist.recv, lambda y: dist.all_reduce(y, group=b))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    out["gloo_a"], out["gloo_b"] = _scenarios_on_process_group("gloo", port_gloo, r, n)
     # streamcoll directly: A a split of the world's communicator, B a split of A
     A = comm.split(0, timeout=8)
     B = A.split(0)
@@ -382,14 +388,7 @@ def _p2p_progress(comm, port_gloo: int, port_sc: int):
         B.destroy()
         A.destroy()
     # through the "streamcoll" process group
-    _gloo_init(port_sc, r, n, "streamcoll")
-    try:
-        b = dist.new_group(list(range(n)))
-        out["pg_a"] = _scenario_a(dist.irecv, dist.isend, peer, r)
-        out["pg_b"] = _scenario_b(r, dist.isend, dist.recv, lambda y: dist.all_reduce(y, group=b))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    out["pg_a"], out["pg_b"] = _scenarios_on_process_group("streamcoll", port_sc, r, n)
     return out
 
 
