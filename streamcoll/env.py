@@ -45,7 +45,14 @@ ms and a 4 MB one 14-27 ms; with the values below 9 us and 0.42 ms.
   there. With 2 ranks on 2 cores the inline spin stays far ahead (4 B 13 us
   vs 80 us).
 - ``CCL_ATL_SHM=1`` and ``FI_PROVIDER=shm``: shared memory transport; only
-  valid when every rank is on one host, so applied only then.
+  valid when every rank is on one host, so applied only then, and only to a
+  communicator over the launcher's whole world or a process whose oneCCL
+  already runs: oneCCL's transport is made by a process's first
+  communicator, with a peer map of that communicator's size, and its shm
+  path misroutes later peers from outside it (issue 32; a 2x2 mesh's first
+  sub-group communicators made the second dimension's hang). A first
+  communicator short of the world gets ``CCL_ATL_SHM=0 FI_PROVIDER=tcp``
+  (across hosts ``CCL_ATL_SHM=0``).
 - ``CCL_KVS_IFACE=lo``: the key-value store of the unique id listens on
   loopback (single host only).
 - ``CCL_LOCAL_RANK``/``CCL_LOCAL_SIZE``: the rank's place on its host
@@ -236,14 +243,19 @@ def agreed_defaults(topo: "Topology") -> Dict[str, str]:
         d["CCL_YIELD"] = "sched_yield" if topo.single_host else "sleep"
     else:
         d["CCL_WORKER_OFFLOAD"] = "0"
-    if topo.single_host:
+    d["CCL_ALLREDUCE"] = POW2_ALLREDUCE if pow2 and not over else "nreduce"
+    if not topo.spans_job:
+        # A process's first oneCCL communicator fixes its transport's peer map for good, sized for
+        # that communicator's members; the shm path misroutes any later peer (issue 32): a first
+        # communicator that is not the launcher's whole world runs oneCCL over TCP.
+        d["CCL_ATL_SHM"] = "0"
+        if topo.single_host:
+            d["FI_PROVIDER"] = "tcp"
+    elif topo.single_host:
         d["CCL_ATL_SHM"] = "1"
         d["FI_PROVIDER"] = "shm"
-        d["CCL_ALLREDUCE"] = POW2_ALLREDUCE if pow2 and not over else "nreduce"
-    else:
-        d["CCL_ALLREDUCE"] = POW2_ALLREDUCE if pow2 and not over else "nreduce"
-        if any(len(h) > 1 for h in topo.hosts) and topo.hostnames_tell_hosts_apart:
-            d["CCL_ATL_SHM"] = "1"
+    elif any(len(h) > 1 for h in topo.hosts) and topo.hostnames_tell_hosts_apart:
+        d["CCL_ATL_SHM"] = "1"
     return d
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import List, NamedTuple, Optional, Tuple, overload
 
-__all__ = ["EnvVar", "TABLE", "names", "markdown", "read_int"]
+__all__ = ["EnvVar", "TABLE", "names", "markdown", "read_int", "read_choice"]
 
 
 class EnvVar(NamedTuple):
@@ -85,6 +85,10 @@ TABLE: Tuple[EnvVar, ...] = (
            "CPU: an `async_op=True` call whose largest buffer has at most this many bytes runs inline on the "
            "calling thread (in order behind queued work) and returns a completed Work; larger ones go to the "
            "comm thread and overlap. `0`: always the comm thread (measured: `benchmarks/inline_async.py`)"),
+    EnvVar("STREAMCOLL_EAGER_INIT", "streamcoll", "auto",
+           "`init_process_group(\"streamcoll\")` makes the world's cpu communicator at once where oneCCL loads, "
+           "before any sub-group's (oneCCL's shared memory serves later communicators only among a process's "
+           "first one's members); `1` always, `0` at the first cpu collective"),
     EnvVar("STREAMCOLL_WIDEN_BF16", "streamcoll", "1",
            "`0`: bf16 reductions on oneCCL's CPU path in bf16 (default: through float32, correctly rounded)"),
     EnvVar("CCL_BF16", "read", "", "oneCCL's bf16 implementation (avx512 variants crash on AVX2-only CPUs)"),
@@ -140,3 +144,14 @@ def read_int(name: str, default: Optional[int] = None, minimum: Optional[int] = 
     if minimum is not None and n < minimum:
         raise ValueError(f"{name}: expected {want}, got {n}")
     return n
+
+
+def read_choice(name: str, choices: Tuple[str, ...], default: str) -> str:
+    """Variable ``name``, one of ``choices`` (``default`` when unset or
+    empty); anything else is a ValueError naming the variable and them."""
+    v = os.environ.get(name, "").strip().lower()
+    if v == "":
+        return default
+    if v not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {v!r}")
+    return v

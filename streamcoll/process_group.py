@@ -539,10 +539,36 @@ def _opts_from(op: Any) -> Any:
     return o
 
 
+def _eager_cpu() -> bool:
+    """Whether the world group makes its oneCCL communicator at once
+    (``STREAMCOLL_EAGER_INIT``, default ``auto``: where oneCCL loads)."""
+    from .env_vars import read_choice
+    mode = read_choice("STREAMCOLL_EAGER_INIT", ("auto", "1", "0"), "auto")
+    if mode == "0":
+        return False
+    from .bootstrap import is_available
+    return mode == "1" or is_available("oneccl")
+
+
 def create_process_group(store: Any, rank: int, world_size: int, timeout: Optional[timedelta] = None
                          ) -> ProcessGroupStreamcoll:
-    """The creator torch.distributed calls for ``backend="streamcoll"``."""
-    return ProcessGroupStreamcoll(store, rank, world_size, timeout)
+    """The creator torch.distributed calls for ``backend="streamcoll"``.
+
+    For the world group (the one ``init_process_group`` makes: torch has no
+    default group yet) the cpu communicator is made here, on every rank
+    together, before any sub-group can make one: oneCCL's shared-memory
+    transport is set up by a process's first communicator and serves later
+    communicators only among that first one's members (issue 32: a 2x2
+    mesh whose first collective went through a mesh dimension hung in the
+    second dimension's communicator creation). ``STREAMCOLL_EAGER_INIT=0``
+    makes it lazy again (first cpu collective), as every other group's is;
+    a process whose first oneCCL communicator leaves out some of its host's
+    ranks then runs oneCCL over TCP (:func:`streamcoll.env.agreed_defaults`).
+    """
+    pg = ProcessGroupStreamcoll(store, rank, world_size, timeout)
+    if not dist.is_initialized() and _eager_cpu():
+        pg.communicator(torch.device("cpu"), "init_process_group")
+    return pg
 
 
 def register_backend() -> None:

@@ -115,6 +115,7 @@ class RankFacts:
     route: Optional[Route] = None
     bound: Tuple[Tuple[str, Optional[str], str], ...] = ()  # env.bound(): must-agree values not streamcoll's
     defaults: bool = True                                   # streamcoll applies defaults (env.enabled())
+    job_size: Optional[int] = None                          # the launcher's world size (WORLD_SIZE), if known
 
     def to_json(self) -> str:
         """Compact JSON (the CPU list as ranges, ``"0..63"``), see :func:`to_plain`."""
@@ -383,7 +384,18 @@ def local_facts(rank: int, store: Any = None) -> RankFacts:
     addr = rendezvous_address(store)
     route = route_to(addr) if addr else None
     return RankFacts(rank, ident, machine, network, socket.gethostname(), os.getpid(), _node(rank), _cpus(), route,
-                     env.bound(), env.enabled())
+                     env.bound(), env.enabled(), _job_size())
+
+
+def _job_size() -> Optional[int]:
+    """The launcher's world size (``WORLD_SIZE``: torchrun's, or
+    :mod:`streamcoll.launchers`' from srun/mpiexec), None where unknown or
+    not a positive integer."""
+    try:
+        n = int(os.environ.get("WORLD_SIZE", ""))
+    except ValueError:
+        return None
+    return n if n > 0 else None
 
 
 def exchange_key(rank: int) -> str:
@@ -449,6 +461,7 @@ class Layout:
     # (None: unset) and, where ranks' values would differ, the conflict text
     agreed: Dict[str, Optional[str]] = field(default_factory=dict)
     conflicts: Dict[str, str] = field(default_factory=dict)
+    job_size: Optional[int] = None       # the launcher's world size its ranks report (largest), if known
 
 
 def compute(facts: Sequence[RankFacts]) -> Layout:
@@ -484,8 +497,10 @@ def compute(facts: Sequence[RankFacts]) -> Layout:
     sets: Dict[int, List[Tuple[int, ...]]] = {}
     for f in facts:
         sets.setdefault(machines[f.machine], []).append(f.cpus)
+    sizes = [f.job_size for f in facts if f.job_size is not None]
     layout = Layout(len(facts), tuple(hosts), tuple(max(len(cpus[m]), 1) for m in range(len(machines))),
-                    tuple(clashes), tuple(not core_each(sets[m]) for m in range(len(machines))))
+                    tuple(clashes), tuple(not core_each(sets[m]) for m in range(len(machines))),
+                    job_size=max(sizes) if sizes else None)
     # The settings every rank must share, decided here once from every
     # rank's facts (issue 20): the defaults from the layout, the values each
     # rank is bound to (the user's, or in effect) from its facts.
@@ -614,6 +629,19 @@ class Topology:
         return flags[m] if m < len(flags) else len(self.machine_ranks) > self.machine_cores
 
     # -- derived communicators ---------------------------------------------------
+    @property
+    def spans_job(self) -> bool:
+        """Whether these ranks are the launcher's whole world (true where no
+        rank knows the launcher's size). oneCCL's transport is made once per
+        process, by its first communicator, with a peer map of that
+        communicator's size; a later communicator's peer from outside it
+        gets an index past the map's end, which the shared-memory path reads
+        anyway (``atl_ofi_get_addr``: messages go to the wrong process and the
+        new communicator's first allgatherv never completes, issue 32). So
+        a first communicator that is not the whole world must not use shared
+        memory (:func:`streamcoll.env.agreed_defaults`)."""
+        return self.layout.job_size is None or self.world_size >= self.layout.job_size
+
     def subgroup(self, ranks: Sequence[int], rank: int) -> "Topology":
         """The view of a communicator over ``ranks`` (ranks of this one; the
         new rank ``i`` is ``ranks[i]``), as rank ``rank`` of it: derived, no

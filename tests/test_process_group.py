@@ -18,7 +18,7 @@ import streamcoll  # noqa: F401  (importing registers the backend)
 from streamcoll.process_group import ProcessGroupStreamcoll, StreamcollWork
 
 from conftest import get_world, needs_oneccl
-from world import free_port, settle_gloo
+from world import World, free_port, settle_gloo
 
 pytestmark = [needs_oneccl, pytest.mark.world]
 
@@ -281,8 +281,23 @@ def test_registered_on_import():
 
 
 def test_collectives_through_torch_distributed(w2):
-    n = 2
-    res = w2.run(_collectives, free_port(), timeout=120)
+    _check_collectives(w2.run(_collectives, free_port(), timeout=120), 2)
+
+
+@pytest.mark.slow
+def test_collectives_through_torch_distributed_from_a_fresh_world():
+    """The same scenario in processes that made no communicator before
+    (issue 32): the pooled ``w2`` has one over every rank from its start,
+    which is what every test of this module had before, and what hid a
+    first sub-group communicator's hang."""
+    w = World(2, timeout=120, fresh=True)
+    try:
+        _check_collectives(w.run(_collectives, free_port(), timeout=120), 2)
+    finally:
+        w.close()
+
+
+def _check_collectives(res, n):
     for r, out in enumerate(res):
         assert out["type"] == "ProcessGroupStreamcoll" and out["backend"] == "streamcoll"
         assert out["name"] == "streamcoll"

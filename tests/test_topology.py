@@ -314,3 +314,29 @@ def test_namespace_probe_names_what_is_missing(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda t: which(t) or f"/usr/bin/{t}")
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert netns.unavailable() == "creating network namespaces needs root (ip netns add)"
+
+
+def test_a_first_communicator_short_of_the_launchers_world_runs_over_tcp():
+    """Issue 32: oneCCL's transport is made by a process's first
+    communicator with a peer map of that communicator's size, and its shm
+    path misroutes later peers from outside it. So a communicator whose
+    ranks know the launcher's world is larger than it runs over TCP (where
+    no rank's oneCCL runs yet: a value in effect wins, see
+    test_agreement), on one host and across hosts; the whole world, or an
+    unknown world size, keeps shared memory."""
+    def with_job(fs, size):
+        return [dataclasses.replace(f, job_size=size) for f in fs]
+
+    part = Topology.from_facts(with_job(_hosts([2]), 4), 0)
+    assert not part.spans_job
+    d = env.agreed_defaults(part)
+    assert (d["CCL_ATL_SHM"], d["FI_PROVIDER"]) == ("0", "tcp"), d
+    whole = env.agreed_defaults(Topology.from_facts(with_job(_hosts([4]), 4), 0))
+    assert (whole["CCL_ATL_SHM"], whole["FI_PROVIDER"]) == ("1", "shm"), whole
+    unknown = env.agreed_defaults(Topology.from_facts(_hosts([2]), 0))
+    assert unknown["FI_PROVIDER"] == "shm", unknown
+    across = env.agreed_defaults(Topology.from_facts(with_job(_hosts([2, 2]), 8), 0))
+    assert across["CCL_ATL_SHM"] == "0" and "FI_PROVIDER" not in across, across
+    # a sub-group derived from the world keeps the world's decision (the world was first)
+    world = Topology.from_facts(with_job(_hosts([4]), 4), 0)
+    assert world.subgroup([0, 2], 0).agreed.values["FI_PROVIDER"] == "shm"

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
 
 # What torchrun puts in every rank's environment besides the rank variables,
 # with its defaults (torch/distributed/run.py: --master-addr 127.0.0.1;
@@ -150,11 +150,13 @@ def _worker(rank: int, size: int, port: int, conn, env: Dict[str, str], init_kwa
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks on a hang
     os.environ.update(rank_env(rank, size, port))
     os.environ.update(env)
-    comm = None
+    comm: Any = None
     try:
         import streamcoll
         if init_kwargs is not None:
             comm = streamcoll.init(**init_kwargs)
+        else:
+            comm = FreshRank(rank, size)
         conn.send(("ok", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -173,16 +175,28 @@ def _worker(rank: int, size: int, port: int, conn, env: Dict[str, str], init_kwa
         except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
             conn.send(("error", f"{type(e).__name__}: {e}\n" + traceback.format_exc()))
     try:
-        if comm is not None:
+        if init_kwargs is not None:
             streamcoll.destroy()
     except Exception:
         pass
     os._exit(0)
 
 
+class FreshRank(NamedTuple):
+    """What a fresh world's rank functions get instead of a communicator:
+    the rank and size a scenario that makes its own groups needs."""
+
+    rank: int
+    size: int
+
+
 class World:
     def __init__(self, size: int, timeout: float = 60.0, env: Optional[Dict[str, str]] = None,
-                 init_kwargs: Optional[Dict[str, Any]] = None) -> None:
+                 init_kwargs: Optional[Dict[str, Any]] = None, fresh: bool = False) -> None:
+        """``fresh``: the ranks make no communicator (``comm`` is a
+        :class:`FreshRank` in :meth:`run`'s functions): a process's first
+        communicators are what a scenario tests (issue 32), which a pooled
+        world, made with a communicator over every rank, hides."""
         self.size = size
         self.timeout = timeout
         ctx = mp.get_context("spawn")
@@ -190,7 +204,7 @@ class World:
         e = dict(env or {})
         self.conns = []
         self.procs = []
-        kw = {} if init_kwargs is None else init_kwargs
+        kw = None if fresh else ({} if init_kwargs is None else init_kwargs)
         for r in range(size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker, args=(r, size, port, child, e, kw), daemon=True)
