@@ -18,7 +18,7 @@ import streamcoll  # noqa: F401  (importing registers the backend)
 from streamcoll.process_group import ProcessGroupStreamcoll
 
 from conftest import get_world, needs_oneccl
-from world import free_port, settle_gloo
+from world import World, free_port, settle_gloo
 
 pytestmark = [needs_oneccl, pytest.mark.world]
 
@@ -115,6 +115,25 @@ def test_fsdp2_dtensor_funcol_match_gloo(w2):
     # comm ops); about 16 s of compilation per backend on this machine.
     gloo = w2.run(_machinery, "gloo", free_port(), "inductor", timeout=300)
     sc = w2.run(_machinery, "streamcoll", free_port(), "inductor", timeout=300)
+    _check_machinery(gloo, sc)
+
+
+@pytest.mark.slow
+def test_fsdp2_dtensor_funcol_match_gloo_from_a_fresh_world():
+    """The same program in processes that made no communicator before
+    (issue 32; the pooled ``w2`` has one over every rank from its start),
+    streamcoll first, compiled with the eager backend (the subject here is
+    the process's first communicators, not inductor)."""
+    w = World(2, timeout=300, fresh=True)
+    try:
+        sc = w.run(_machinery, "streamcoll", free_port(), "eager", timeout=300)
+        gloo = w.run(_machinery, "gloo", free_port(), "eager", timeout=300)
+    finally:
+        w.close()
+    _check_machinery(gloo, sc)
+
+
+def _check_machinery(gloo, sc):
     for r in range(2):
         a, b = gloo[r], sc[r]
         assert b["name"][0] == b["name"][1] == a["name"][0] and b["name"][2] == "default_pg"
