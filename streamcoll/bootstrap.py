@@ -650,6 +650,8 @@ def new_communicator(
         values; the must-agree ones were decided once, on rank 0)."""
         if b.name == "oneccl" and topo.name_clashes():
             raise CommunicatorError(f"init of communicator {cname!r}: {_clash_text(topo)}")
+        if b.name == "oneccl":
+            _check_first_transport(topo, cname)
         conflicts = topo.agreed.conflicts_for(b.name)
         if conflicts:  # computed from every rank's facts: every rank raises, before the native init
             raise CommunicatorError(f"init of communicator {cname!r}: {_conflict_text(conflicts)}")
@@ -693,6 +695,34 @@ def new_communicator(
     if nonblocking:
         watchdog.make_nonblocking(comm)
     return comm
+
+
+def _check_first_transport(topo: "topology.Topology", cname: str) -> None:
+    """oneCCL makes its transport with a process's first communicator (and
+    again with the next one after the last was destroyed), its peer map sized
+    for that communicator, and its shared-memory path misroutes later peers
+    from outside it (issue 32). Where that communicator is not the launcher's
+    whole world, :func:`env.agreed_defaults` picks TCP; here what it cannot
+    fix: shared memory in effect since an earlier init (oneCCL reads its
+    variables once), or set by the user."""
+    if topo.spans_job:
+        return
+    from .communicator import live_count
+    running = env.in_effect()
+    if running and running.get("CCL_ATL_SHM") == "1" and live_count("oneccl") == 0:
+        raise CommunicatorError(
+            f"init of communicator {cname!r}: this process destroyed all its oneCCL communicators, so oneCCL "
+            f"makes its transport again from this one, with shared memory (CCL_ATL_SHM=1, in effect since the "
+            f"process's first init), sized for its {topo.world_size} of the launcher's {topo.layout.job_size} "
+            f"ranks: a later communicator with any other rank would never finish its creation. Keep a "
+            f"communicator over the whole world alive (do not destroy the streamcoll world group or "
+            f"streamcoll.init()'s communicator before making sub-groups), or start the process afresh")
+    if not running and os.environ.get("CCL_ATL_SHM") == "1":
+        log.warning("communicator %r is this process's first oneCCL communicator and spans %d of the launcher's "
+                    "%s ranks, with CCL_ATL_SHM=1 set: oneCCL's shared memory then cannot serve a later "
+                    "communicator with the other ranks (its creation hangs); unset CCL_ATL_SHM/FI_PROVIDER "
+                    "(streamcoll then uses TCP for it) or make the world's communicator first", cname,
+                    topo.world_size, topo.layout.job_size)
 
 
 _IFACE_VARS = ("CCL_KVS_IFACE", "CCL_MNIC_NAME", "NCCL_SOCKET_IFNAME", "FI_PROVIDER", "CCL_ATL_SHM")

@@ -211,6 +211,12 @@ def communicator_by_id(cid: int) -> Optional["Communicator"]:
     return _BY_ID.get(cid)
 
 
+def live_count(backend: str) -> int:
+    """How many of this process's communicators on ``backend`` are not
+    destroyed (oneCCL tears its transport down with the last of them)."""
+    return sum(1 for c in list(_LIVE) if c.backend == backend and not c.destroyed)
+
+
 # STREAMCOLL_INLINE_ASYNC_BYTES's default (Communicator.inline_async_bytes):
 # measured with benchmarks/inline_async.py, see benchmarks/README.md.
 INLINE_ASYNC_BYTES = 65536

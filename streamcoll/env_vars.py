@@ -86,9 +86,9 @@ TABLE: Tuple[EnvVar, ...] = (
            "calling thread (in order behind queued work) and returns a completed Work; larger ones go to the "
            "comm thread and overlap. `0`: always the comm thread (measured: `benchmarks/inline_async.py`)"),
     EnvVar("STREAMCOLL_EAGER_INIT", "streamcoll", "auto",
-           "`init_process_group(\"streamcoll\")` makes the world's cpu communicator at once where oneCCL loads, "
-           "before any sub-group's (oneCCL's shared memory serves later communicators only among a process's "
-           "first one's members); `1` always, `0` at the first cpu collective"),
+           "`init_process_group(\"streamcoll\")` makes the world's cpu communicator at once where oneCCL loads "
+           "and no CUDA GPU is visible, before any sub-group's (oneCCL's shared memory serves later communicators "
+           "only among a process's first one's members); `1` always, `0` at the first cpu collective"),
     EnvVar("STREAMCOLL_WIDEN_BF16", "streamcoll", "1",
            "`0`: bf16 reductions on oneCCL's CPU path in bf16 (default: through float32, correctly rounded)"),
     EnvVar("CCL_BF16", "read", "", "oneCCL's bf16 implementation (avx512 variants crash on AVX2-only CPUs)"),

@@ -139,6 +139,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         self._last_device: Optional[torch.device] = None
         self._group_name: Optional[str] = None
         self._failed: Optional[BaseException] = None  # why the group is unusable (abort), or None
+        self._world = False  # init_process_group's group (create_process_group sets it)
 
     # -- identity -----------------------------------------------------------
     def getBackendName(self) -> str:
@@ -196,7 +197,10 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
                     if dev.index is None and dev.type in ("cuda", "xpu"):
                         dev = torch.device(dev.type, getattr(torch, dev.type).current_device())
                     store = dist.PrefixStore(f"streamcoll/{key}/", self._store)
-                    label = self._group_name if self._group_name is not None else "unnamed"
+                    # The world group's name is fixed: made eagerly (before torch names the group) or at
+                    # the first collective, every rank's communicator meets under one name.
+                    label = "world" if self._world else (self._group_name if self._group_name is not None
+                                                          else "unnamed")
                     try:
                         c = new_communicator(device=dev, timeout=self._timeout, store=store, rank=self._rank,
                                              world_size=self._size, name=f"pg{label}-{key}",
@@ -541,13 +545,15 @@ def _opts_from(op: Any) -> Any:
 
 def _eager_cpu() -> bool:
     """Whether the world group makes its oneCCL communicator at once
-    (``STREAMCOLL_EAGER_INIT``, default ``auto``: where oneCCL loads)."""
+    (``STREAMCOLL_EAGER_INIT``, default ``auto``: where oneCCL loads and no
+    CUDA GPU is visible: a GPU job may never make a cpu collective, and
+    should not pay for, or fail on, a oneCCL communicator it never uses)."""
     from .env_vars import read_choice
     mode = read_choice("STREAMCOLL_EAGER_INIT", ("auto", "1", "0"), "auto")
-    if mode == "0":
-        return False
+    if mode != "auto":
+        return mode == "1"
     from .bootstrap import is_available
-    return mode == "1" or is_available("oneccl")
+    return not torch.cuda.is_available() and is_available("oneccl")
 
 
 def create_process_group(store: Any, rank: int, world_size: int, timeout: Optional[timedelta] = None
@@ -561,12 +567,14 @@ def create_process_group(store: Any, rank: int, world_size: int, timeout: Option
     communicators only among that first one's members (issue 32: a 2x2
     mesh whose first collective went through a mesh dimension hung in the
     second dimension's communicator creation). ``STREAMCOLL_EAGER_INIT=0``
-    makes it lazy again (first cpu collective), as every other group's is;
-    a process whose first oneCCL communicator leaves out some of its host's
-    ranks then runs oneCCL over TCP (:func:`streamcoll.env.agreed_defaults`).
+    makes it lazy (first cpu collective), as every other group's is, and so
+    does ``auto`` where CUDA is available; a process whose first oneCCL
+    communicator is not the whole world then runs oneCCL over TCP
+    (:func:`streamcoll.env.agreed_defaults`).
     """
     pg = ProcessGroupStreamcoll(store, rank, world_size, timeout)
-    if not dist.is_initialized() and _eager_cpu():
+    pg._world = not dist.is_initialized()
+    if pg._world and _eager_cpu():
         pg.communicator(torch.device("cpu"), "init_process_group")
     return pg
 

@@ -388,14 +388,22 @@ def local_facts(rank: int, store: Any = None) -> RankFacts:
 
 
 def _job_size() -> Optional[int]:
-    """The launcher's world size (``WORLD_SIZE``: torchrun's, or
-    :mod:`streamcoll.launchers`' from srun/mpiexec), None where unknown or
-    not a positive integer."""
+    """The launcher's world size: ``WORLD_SIZE`` (torchrun's, or what
+    :mod:`streamcoll.launchers` exported), else the detected launcher's own
+    size variable (srun's, mpiexec's: a ``store=``/``rank=`` call adopts no
+    launcher), None where unknown or malformed."""
     try:
         n = int(os.environ.get("WORLD_SIZE", ""))
     except ValueError:
+        n = 0
+    if n > 0:
+        return n
+    from . import launchers
+    try:
+        la = launchers.detect()
+    except ValueError:
         return None
-    return n if n > 0 else None
+    return la.world_size if la is not None and la.world_size else None
 
 
 def exchange_key(rank: int) -> str:

@@ -54,13 +54,14 @@ def free_port_of(backend: str) -> int:
     return _PORTS[backend]
 
 
-def _run(size: int, scenario, *args, env=None):
-    """``scenario`` in a fresh world of ``size`` ranks; per-rank results
-    ``{"streamcoll": ..., "gloo": ...}``, checked equal."""
+def _run(size: int, scenario, *args, env=None, per_rank=None):
+    """``scenario`` in a fresh world of ``size`` ranks (``per_rank``: rank ->
+    variables of that rank alone); per-rank results ``{"streamcoll": ...,
+    "gloo": ...}``, checked equal."""
     w = World(size, timeout=TIMEOUT, env=env, fresh=True)
     try:
         ports = {"streamcoll": free_port(), "gloo": free_port()}
-        res = w.run(_with_ports, ports, scenario, *args, timeout=TIMEOUT)
+        res = w.run(_with_ports, ports, per_rank or {}, scenario, *args, timeout=TIMEOUT)
     finally:
         w.close()
     for r, got in enumerate(res):
@@ -71,8 +72,9 @@ def _run(size: int, scenario, *args, env=None):
     return res
 
 
-def _with_ports(comm, ports, scenario, *args):
+def _with_ports(comm, ports, per_rank, scenario, *args):
     _PORTS.update(ports)
+    os.environ.update(per_rank.get(comm.rank, {}))
     return _both(scenario, *args)
 
 
@@ -242,13 +244,18 @@ def _pairs_applied(r, n):
     return out
 
 
-def _direct(comm, port):
+def _direct(comm, port, as_mpiexec=False):
     """The direct API: ``new_communicator`` over [0,2]/[1,3] first, then
     [0,1]/[2,3], on a store of the caller's; gloo groups over the same
-    pairs in the same processes give the expected values."""
+    pairs in the same processes give the expected values. ``as_mpiexec``:
+    no torchrun variables, the world size only in mpiexec's ``PMI_SIZE``."""
     import streamcoll
     from streamcoll import env
-    r, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    r, n = comm.rank, comm.size
+    if as_mpiexec:
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+            os.environ.pop(k, None)
+        os.environ.update(PMI_RANK=str(r), PMI_SIZE=str(n))
     store = dist.TCPStore("127.0.0.1", port, n, r == 0, timeout=timedelta(seconds=60))
     a = [0, 2] if r in (0, 2) else [1, 3]
     b = [0, 1] if r in (0, 1) else [2, 3]
@@ -278,12 +285,61 @@ def _direct(comm, port):
     return out
 
 
-def test_direct_api_sub_communicators_first():
+@pytest.mark.parametrize("as_mpiexec", [False, True], ids=["torchrun", "mpiexec_size"])
+def test_direct_api_sub_communicators_first(as_mpiexec):
     w = World(4, timeout=TIMEOUT, fresh=True)
     try:
-        res = w.run(_direct, free_port(), timeout=TIMEOUT)
+        res = w.run(_direct, free_port(), as_mpiexec, timeout=TIMEOUT)
     finally:
         w.close()
     for r, got in enumerate(res):
         assert _equal(got["streamcoll"], got["gloo"]), (r, got)
         assert got["transport"] == ("0", "tcp"), got["transport"]
+
+
+def _mixed_eager(r, n):
+    """Rank 0 makes the world's communicator lazily, the others at
+    init_process_group: one name, so they meet at rank 0's first cpu
+    collective (before, the eager ones waited under another name until the
+    timeout)."""
+    t = torch.full((3,), float(r + 1))
+    dist.all_reduce(t)
+    return {"world": t}
+
+
+def test_eager_and_lazy_ranks_meet_under_one_name():
+    _run(3, _mixed_eager, env={"STREAMCOLL_EAGER_INIT": "1"}, per_rank={0: {"STREAMCOLL_EAGER_INIT": "0"}})
+
+
+def _remade_transport(comm, port):
+    """The world group destroyed, then streamcoll sub-groups under a gloo
+    default group: oneCCL remakes its transport from the first pair with the
+    shared memory in effect; streamcoll refuses on every rank, naming why,
+    instead of the second pair hanging."""
+    import streamcoll  # noqa: F401
+    r, n = comm.rank, comm.size
+    store = dist.TCPStore("127.0.0.1", port, n, r == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("streamcoll", store=dist.PrefixStore("a/", store), rank=r, world_size=n)
+    dist.all_reduce(torch.ones(2))
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore("b/", store), rank=r, world_size=n)
+    try:
+        pairs = [dist.new_group(p, backend="streamcoll") for p in ([0, 2], [1, 3])]
+        try:
+            dist.all_reduce(torch.ones(2), group=pairs[0] if r in (0, 2) else pairs[1])
+            return None
+        except Exception as e:  # noqa: BLE001 - the type and text are asserted in the parent
+            return type(e).__name__, str(e)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def test_a_remade_transport_with_shared_memory_is_refused_on_every_rank():
+    w = World(4, timeout=TIMEOUT, fresh=True)
+    try:
+        res = w.run(_remade_transport, free_port(), timeout=TIMEOUT)
+    finally:
+        w.close()
+    for r in res:
+        assert r is not None and "destroyed all its oneCCL communicators" in r[1], r
