@@ -771,13 +771,8 @@ class Communicator(CollectiveMethods):
                 return self._post(name, plan)
             if self._posted:
                 self._flush_posted()
-            if (self._inline_async and name not in _NEVER_INLINE and not self._rt._pending  # type: ignore[attr-defined]
-                    and _nbytes(plan) <= self._inline_async):
-                if POSTING:
-                    launch_posted()  # it blocks now: as a synchronous call
-                self._launch_sync(name, plan, None)  # behind queued work if some was queued meanwhile
-                return DoneWork(self, self._seq, name, plan.outputs)
-            return self._launch_async(name, plan)
+            return self._launch_async(name, plan, here=(self._inline_async and name not in _NEVER_INLINE
+                                                        and _nbytes(plan) <= self._inline_async))
         if self._posted and name in _P2P_SYNC and stream is None:
             # with the posted ops in one group: a blocking send/recv after
             # an irecv/isend must not wait behind them (nor they behind it)
@@ -946,7 +941,7 @@ class Communicator(CollectiveMethods):
         if plan.post is not None:
             plan.post()
 
-    def _launch_async(self, name: str, plan: Plan, key: Any = None, current: Any = None) -> Work:
+    def _launch_async(self, name: str, plan: Plan, key: Any = None, current: Any = None, here: Any = False) -> Work:
         """Queue ``plan`` on the comm stream serving ``key`` (default: the
         caller's current stream; ``current``: that stream, where the caller's
         current one is another: posted ops launched later) and return its Work."""
@@ -980,7 +975,7 @@ class Communicator(CollectiveMethods):
                 e.state = _flight.LAUNCHED
                 e.event = ev  # the watchdog polls it
             else:
-                item = rt.submit(lane, self._execute_host, plan, e)
+                item = rt.submit(lane, self._execute_host, plan, e, here)
                 ev = rt.completion_event(lane, item)
         finally:
             lock.release()
@@ -990,7 +985,7 @@ class Communicator(CollectiveMethods):
                 rt.keep_alive(plan.keep, lane)
             else:
                 stash = REAPER.add(ev, plan.keep, self._dev_index if self._dev_type == "cuda" else None)
-        return Work(self, rt, lane, ev, seq, name, plan.outputs, stash)
+        return Work(self, rt, lane, ev, seq, name, plan.outputs, stash, bool(here))
 
     def _complete_future_when_done(self, work: Work) -> None:
         """Complete ``work``'s future once the collective has: the comm thread

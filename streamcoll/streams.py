@@ -137,6 +137,9 @@ class Runtime:
             time.sleep(0.0002)
         return True
 
+    def nudge(self) -> None:
+        """Start work queued without a wake-up (CPU); nothing elsewhere."""
+
     def keep_alive(self, tensors, lane: Lane) -> None:
         """record_stream mode: tell the caching allocator the comm stream uses these."""
         for t in tensors:
@@ -159,9 +162,10 @@ class Runtime:
 class _Item:
     """One queued call on the CPU comm thread: ``runner(plan, entry, handle)``."""
 
-    __slots__ = ("runner", "plan", "entry", "done", "exc", "callbacks", "ticket")
+    __slots__ = ("runner", "plan", "entry", "done", "exc", "callbacks", "ticket", "quiet")
 
-    def __init__(self, runner, plan, entry) -> None:
+    def __init__(self, runner, plan, entry, quiet: bool = False) -> None:
+        self.quiet = quiet  # queued without waking the comm thread (CpuRuntime.submit)
         self.ticket = -1  # its turn in the process (Backend.turnstile), taken when queued; -1: none
         self.runner = runner
         self.plan = plan
@@ -205,7 +209,13 @@ class CpuRuntime(Runtime):
         self.turnstile = turnstile
         self._name = name
         self._queue: collections.deque = collections.deque()
-        self._cond = threading.Condition(threading.Lock())
+        self._mutex = lock = threading.Lock()  # _cond's lock (taken bare where no condition is used: cheaper)
+        self._cond = threading.Condition(lock)  # the comm thread waits on it for work
+        # Waiters of items wait on their own condition (same lock; _waiters
+        # counts them): a completion does not wake an idle comm thread (what
+        # a waiter running a call itself saves)
+        self._done_cv = threading.Condition(lock)
+        self._waiters = 0
         self._pending = 0
         self._thread: Optional[threading.Thread] = None
         self._closed = False
@@ -224,10 +234,24 @@ class CpuRuntime(Runtime):
     def new_lane(self, key, current: Any = None) -> Lane:
         return Lane(key, self, key, self._null, None)
 
-    def submit(self, lane: Lane, runner, plan, entry) -> _Item:
-        item = _Item(runner, plan, entry)
+    def submit(self, lane: Lane, runner, plan, entry, quiet: bool = False) -> _Item:
+        """Queue ``runner(plan, entry, handle)``; ``quiet``: without waking
+        the comm thread (:meth:`nudge` does; see ``streamcoll.work``)."""
+        item = _Item(runner, plan, entry, quiet)
+        ts = self.turnstile
+        if quiet and ts is not None and id(self) not in ts.sleepers:
+            # before its ticket: whoever waits for a later turn wakes this comm thread (Turnstile.wait)
+            ts.sleepers[id(self)] = self
         self._enqueue(item)
         return item
+
+    def nudge(self) -> None:
+        """Start quietly queued work: wake the comm thread if work waits
+        for it (someone is about to wait with a timeout, query, or block
+        behind it)."""
+        with self._mutex:
+            if self._queue and self.running is None:
+                self._cond.notify()
 
     def _enqueue(self, item: _Item) -> None:
         with self._cond:
@@ -241,42 +265,87 @@ class CpuRuntime(Runtime):
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
-            self._cond.notify_all()
+            if not item.quiet:
+                self._cond.notify_all()
 
     def _loop(self) -> None:
         q = self._queue
         cond = self._cond
         while True:
             with cond:
-                while not q:
-                    if self._closed:
+                # running set and not popped here: an item a waiter runs on its own thread (run_here)
+                while not q or self.running is not None:
+                    if self._closed and not q and self.running is None:
                         return
                     cond.wait()
                 item = q.popleft()
                 self.running = item  # under the lock: fail() sees it either queued or running
-            ts = self.turnstile
-            try:
-                if ts is not None and ts.turn != item.ticket:
-                    ts.wait(item.ticket)  # behind the calls issued before it, on every communicator
-                if item.exc is None:  # failed while it waited for its turn: not run
-                    item.runner(item.plan, item.entry, self._null)
-            except BaseException as e:  # delivered to whoever waits on the item
-                if item.exc is None:  # a failure fail() recorded first stays the reason
-                    item.exc = e
-            finally:
-                if ts is not None and ts.turn == item.ticket:
-                    ts.leave(item.ticket)
-            with cond:
-                self.running = None
-                item.plan = None  # host memory is free to reuse once the call returned
-                item.done = True
-                self._pending -= 1
-                cbs = item.callbacks
-                item.callbacks = None  # no Work <-> item reference cycle once fired
-                cond.notify_all()
-            if cbs:
-                for cb in cbs:
-                    cb()
+            self._run(item)
+
+    def _run(self, item: _Item) -> None:
+        """Run ``item`` (taken from the queue as :attr:`running`) in its turn
+        and complete it: on the comm thread, or on a waiter's thread
+        (:meth:`run_here`). Its completion callbacks are handed on before
+        :attr:`running` clears, so the next item, on either thread, is
+        handed on after them: in completion order."""
+        ts = self.turnstile
+        try:
+            if ts is not None and ts.turn != item.ticket:
+                ts.wait(item.ticket)  # behind the calls issued before it, on every communicator
+            if item.exc is None:  # failed while it waited for its turn: not run
+                item.runner(item.plan, item.entry, self._null)
+        except BaseException as e:  # delivered to whoever waits on the item
+            if item.exc is None:  # a failure fail() recorded first stays the reason
+                item.exc = e
+        finally:
+            if ts is not None and ts.turn == item.ticket:
+                ts.leave(item.ticket)
+        with self._mutex:
+            item.plan = None  # host memory is free to reuse once the call returned
+            item.done = True
+            self._pending -= 1
+            cbs = item.callbacks
+            item.callbacks = None  # no Work <-> item reference cycle once fired
+            if self._waiters:
+                self._done_cv.notify_all()
+            if not cbs:
+                self._ran()
+                return
+        try:
+            for cb in cbs:
+                cb()
+        finally:
+            with self._mutex:
+                self._ran()
+
+    def _ran(self) -> None:
+        """The running item is finished (lock held): a comm thread that
+        waited while a waiter ran it (:meth:`run_here`) takes the next."""
+        self.running = None
+        if self._queue and self._thread is not threading.current_thread():
+            self._cond.notify()
+
+    def run_here(self, event: CpuEvent) -> bool:
+        """Run the work behind ``event`` on the calling thread if the comm
+        thread has not started it and it is next (first in the queue, nothing
+        running); returns whether it did (it then completed, or failed:
+        :meth:`error`). What ``Work.wait()`` without a timeout does for a
+        small call (``Communicator.inline_async_bytes``): the caller blocks
+        until completion anyway, and running the call itself saves the two
+        thread hand-offs (the comm thread, woken when the call was queued,
+        finds nothing to do). The call still runs in its turn
+        (:attr:`turnstile`), and the comm thread waits for it."""
+        item = event.item
+        if item is None or item.done:
+            return False
+        with self._mutex:
+            q = self._queue
+            if self.running is not None or not q or q[0] is not item or item.exc is not None:
+                return False
+            q.popleft()
+            self.running = item
+        self._run(item)
+        return True
 
     def fail(self, error_for: Callable[[Any], BaseException]) -> None:
         """End the queued work with a failure: the one place that does it
@@ -305,6 +374,7 @@ class CpuRuntime(Runtime):
                     fired += it.callbacks
                 it.callbacks = None
             self._cond.notify_all()
+            self._done_cv.notify_all()
         for cb in fired:
             cb()
 
@@ -313,14 +383,18 @@ class CpuRuntime(Runtime):
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while not (item.done or item.exc is not None):
-                if deadline is None:
-                    self._cond.wait()
-                else:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return False
-                    self._cond.wait(left)
+            self._waiters += 1
+            try:
+                while not (item.done or item.exc is not None):
+                    if deadline is None:
+                        self._done_cv.wait()
+                    else:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            return False
+                        self._done_cv.wait(left)
+            finally:
+                self._waiters -= 1
         return True
 
     def completion_event(self, lane: Lane, token: _Item) -> CpuEvent:
@@ -370,6 +444,8 @@ class CpuRuntime(Runtime):
         not finish within ``timeout``. An idle thread counts as finished even
         if it has not exited yet (``timeout`` 0 after a failure): it runs no
         more C calls, so the native communicator may be freed."""
+        if self.turnstile is not None:
+            self.turnstile.sleepers.pop(id(self), None)
         with self._cond:
             self._closed = True
             self._cond.notify_all()

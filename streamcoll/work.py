@@ -114,10 +114,10 @@ class Work:
 
     __slots__ = (
         "_comm", "_rt", "_lane", "_event", "_outputs", "_stash", "_future",
-        "_waited", "seq", "op", "__weakref__",
+        "_waited", "_here", "seq", "op", "__weakref__",
     )
 
-    def __init__(self, comm, rt, lane, event, seq: int, op: str, outputs, stash) -> None:
+    def __init__(self, comm, rt, lane, event, seq: int, op: str, outputs, stash, here: bool = False) -> None:
         self._comm = comm
         self._rt = rt
         self._lane = lane
@@ -126,6 +126,7 @@ class Work:
         self._stash = stash  # reaper entry (GPU stash mode) or None
         self._future: Optional[torch.futures.Future] = None
         self._waited = False
+        self._here = here  # small CPU call: wait() without a timeout may run it (CpuRuntime.run_here)
         self.seq = seq
         self.op = op
 
@@ -148,14 +149,20 @@ class Work:
 
     def is_completed(self) -> bool:
         """Whether the collective finished, or failed (never blocks)."""
+        if self._here:
+            self._rt.nudge()
         return self._rt.query(self._event) or (self._comm._failed is not None and self._error() is not None)
 
     def is_success(self) -> bool:
         """Whether the collective completed without an error (never blocks)."""
+        if self._here:
+            self._rt.nudge()
         return self._rt.query(self._event) and self._error() is None
 
     def exception(self) -> Optional[BaseException]:
         """The error the collective ended with, or None."""
+        if self._here:
+            self._rt.nudge()
         return self._error()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
@@ -181,6 +188,12 @@ class Work:
             launch_posted(comm)
         if comm._failed is not None:
             self._raise_if_failed()
+        if self._here:  # small CPU call, queued quietly
+            if timeout is None and self._rt.run_here(self._event):
+                self._raise_if_failed()
+                self._release()
+                return True
+            self._rt.nudge()
         if not self._rt.wait_current(self._event, t):
             raise self._timeout(t)
         self._raise_if_failed()
@@ -195,6 +208,8 @@ class Work:
             launch_posted(comm)
         if comm._failed is not None:
             self._raise_if_failed()
+        if self._here:
+            self._rt.nudge()
         if not self._rt.synchronize(self._event, t):
             raise self._timeout(t)
         self._raise_if_failed()
@@ -238,6 +253,8 @@ class Work:
             if POSTING:
                 launch_posted(self._comm)  # its waiter will block: as wait()
             fut = self._future = Future()
+            if self._here:
+                self._rt.nudge()
             self._comm._complete_future_when_done(self)
         return fut
 
@@ -265,6 +282,8 @@ class Work:
         # with this one's start time). Such an event is freed with its entry.
         try:
             ev = self._event
+            if self._here and not self._waited:
+                self._rt.nudge()  # dropped unwaited (fire and forget): its call must still go out
             if ev is not None:
                 self._event = None
                 e = self._comm._flight.at(self.seq)
