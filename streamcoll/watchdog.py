@@ -34,8 +34,14 @@ communicator's timeout:
   ``os._exit(EXIT_CODE)`` (86): a launcher such as torchrun then sees a failed
   rank and tears the job down. ``STREAMCOLL_WATCHDOG=fail`` keeps the
   process (the communicator is marked failed and later calls raise; a thread
-  stuck inside oneCCL stays stuck); ``STREAMCOLL_WATCHDOG=off`` starts no
-  watchdog.
+  stuck inside oneCCL stays stuck); ``STREAMCOLL_WATCHDOG=off`` watches
+  nothing (its thread then only runs for CPU communicators, to start what
+  the next item says).
+- Each pass also starts the small CPU async calls queued without waking
+  their comm thread (:mod:`streamcoll.work`, "When a small async call
+  starts") that nothing in the process has touched since: a caller blocked
+  on something else between issuing and waiting (a store, a gloo group)
+  still sees its call go out, within a pass.
 - A communicator whose timeout was already reported to the caller
   (``Work.wait(timeout)`` raised :class:`~streamcoll.CollectiveTimeout`) is
   left to the caller: its later calls raise at once, and the process may end
@@ -198,8 +204,8 @@ class Watchdog:
         self.fired: List[str] = []
 
     def add(self, comm: Any) -> None:
-        if mode() == "off":
-            return
+        if mode() == "off" and comm.is_gpu:
+            return  # off: CPU communicators only, for the start of quietly queued calls (check)
         with self._lock:
             self._comms.add(comm)
             self._start()
@@ -231,9 +237,15 @@ class Watchdog:
             if not fired and (now - start) / 1e9 > timeout + GRACE_S:
                 g[4] = True  # reported once; the guarded call may stay stuck (fail mode): not again
                 self._fire_guard(what, timeout, detail, (now - start) / 1e9)
+        off = mode() == "off"
         for comm in comms:
             if comm.destroyed or comm.failure is not None:
                 continue
+            # small CPU async calls queued without waking the comm thread start
+            # within a pass even if nothing in the process touches them (streamcoll.work)
+            comm._rt.nudge()
+            if off:
+                continue  # that is all it does when off
             fr = comm.flight
             limit = comm.timeout + GRACE_S
             hung = None

@@ -188,10 +188,11 @@ class Work:
             launch_posted(comm)
         if comm._failed is not None:
             self._raise_if_failed()
-        if self._here:  # small CPU call, queued quietly
+        if self._here:  # a small CPU call, queued quietly: run it here, or start it
             if timeout is None and self._rt.run_here(self._event):
-                self._raise_if_failed()
-                self._release()
+                if self._event.item.exc is not None or comm._failed is not None:
+                    self._raise_if_failed()
+                self._waited = True  # _release(): a CPU Work stashes nothing
                 return True
             self._rt.nudge()
         if not self._rt.wait_current(self._event, t):

@@ -150,6 +150,49 @@ def test_a_small_async_call_returns_before_a_late_peer_and_wait_timeout_bounds_i
     assert res[0]["direct"]["timed_out"] == "CollectiveTimeout"
 
 
+# ------------------------- progress between issue and wait (the safety net)
+def _side_channel(ar: Callable[..., Any], rank: int) -> Dict[str, Any]:
+    """Rank 0 issues a small async call, then blocks on another channel (a
+    gloo barrier) before it waits; rank 1 makes the same call synchronously
+    and only then reaches the barrier. Rank 0's call must go out while it
+    blocks elsewhere (a store handshake, a health check have this shape)."""
+    t = torch.full((4,), float(rank + 1))
+    t0 = time.monotonic()
+    if rank == 0:
+        w = ar(t, True)
+        dist.barrier()
+        w.wait()
+    else:
+        ar(t, False)
+        dist.barrier()
+    return {"sum": t.tolist(), "s": time.monotonic() - t0}
+
+
+def _progress(comm: Any, port: int) -> Dict[str, Any]:
+    _gloo(comm, port)
+    try:
+        ref = _side_channel(lambda t, a: dist.all_reduce(t, async_op=a), comm.rank)
+        comm.all_reduce(torch.ones(1 << 18), async_op=True).wait()  # its comm thread exists and sleeps
+        comm.all_reduce(torch.ones(4), async_op=True).wait()
+        time.sleep(0.1)
+        got = _side_channel(lambda t, a: comm.all_reduce(t, async_op=a), comm.rank)
+        settle_gloo()
+    finally:
+        dist.destroy_process_group()
+    return {"gloo": ref, "streamcoll": got}
+
+
+def test_a_small_async_call_goes_out_while_its_caller_blocks_elsewhere(world2):
+    """The small call is queued without waking the comm thread (the cheap
+    path): whatever the caller does next, it goes out, here within a
+    watchdog pass (0.5 s) while rank 0 blocks in a gloo barrier that rank 1
+    reaches only after the call; the sums are gloo's."""
+    res = world2.run(_progress, free_port(), timeout=90)
+    for r, out in enumerate(res):
+        assert out["gloo"]["sum"] == out["streamcoll"]["sum"] == [3.0] * 4, (r, out)
+        assert out["streamcoll"]["s"] < 5.0, (r, out)
+
+
 # ------------------------------------- finding 10: a Work's sequence number
 def test_the_work_of_a_small_call_has_its_own_sequence_number(monkeypatch):
     """Finding 10: the general path made the small call's Work from
