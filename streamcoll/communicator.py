@@ -131,7 +131,7 @@ from .spec import Plan
 from .streams import Lane, runtime_for
 from . import work as _work
 from .env_vars import read_int
-from .work import POSTING, REAPER, DoneWork, PostedWork, Work, launch_posted
+from .work import POSTING, REAPER, PostedWork, Work, launch_posted
 
 log = logging.getLogger("streamcoll")
 
@@ -216,8 +216,8 @@ def communicator_by_id(cid: int) -> Optional["Communicator"]:
 INLINE_ASYNC_BYTES = 65536
 
 
-# A barrier's cost is the peers' arrival, not its bytes: async, it lets the
-# caller go on (and dist.barrier(timeout=) bounds the wait), never inline.
+# A barrier's cost is the peers' arrival, not its bytes: async, it wakes the
+# comm thread at once (what a health check or dist.barrier(timeout=) expects).
 _NEVER_INLINE = frozenset({"barrier"})
 
 
@@ -351,7 +351,7 @@ class Communicator(CollectiveMethods):
             return c
 
         self._rt = runtime_for(device, native, backend.turnstile)
-        # CPU async calls up to this many bytes run inline (see inline_async_bytes)
+        # CPU async calls up to this many bytes are queued quietly (see inline_async_bytes)
         self._inline_async = 0 if self._gpu else read_int("STREAMCOLL_INLINE_ASYNC_BYTES", INLINE_ASYNC_BYTES, 0)
         self._lanes: Dict[Any, Lane] = {}
         self._cx = PlanContext(self)
@@ -481,23 +481,26 @@ class Communicator(CollectiveMethods):
     @property
     def fast_path(self) -> bool:
         """Whether the generated synchronous fast paths are in use now (they
-        also take the small async calls, :attr:`inline_async_bytes`)."""
+        also queue the small async calls, :attr:`inline_async_bytes`)."""
         return bool(self._fast) and next(iter(self._fast)) in self.__dict__
 
     @property
     def inline_async_bytes(self) -> int:
         """The per-call strategy of CPU ``async_op=True`` calls: one whose
-        largest buffer has at most this many bytes runs inline on the calling
-        thread, in order behind any queued work, and returns a completed
-        Work; a larger one goes to the comm thread, so large buckets overlap
-        with compute. Why: handing a call to the comm thread and waiting for
-        it costs about 50-90 us on these machines (a thread wake-up each
-        way and the GIL), more than a small collective itself, and overlap
-        cannot win back more than the call's own time. 0 on GPUs (their
-        strategies do not change) and with ``STREAMCOLL_INLINE_ASYNC_BYTES=0``.
-        The default, :data:`INLINE_ASYNC_BYTES`, was measured
-        (``benchmarks/inline_async.py``). Settable per communicator (bytes,
-        an int >= 0): e.g. 0 where every async call must overlap."""
+        largest buffer has at most this many bytes is queued without waking
+        the comm thread and returns a pending Work at once; ``wait()``
+        without a timeout runs it on the calling thread, and a query,
+        ``wait(timeout)``, a later call behind it or the next watchdog pass
+        starts it on the comm thread (the rule: :mod:`streamcoll.work`). A
+        larger one wakes the comm thread at once, so large buckets overlap
+        with compute. Why: waking the comm thread and waiting for it costs
+        about 50-90 us on these machines (a thread wake-up each way and the
+        GIL), more than a small collective itself, and overlap cannot win
+        back more than the call's own time. 0 on GPUs (their strategies do
+        not change) and with ``STREAMCOLL_INLINE_ASYNC_BYTES=0`` (every call
+        wakes the comm thread). The default, :data:`INLINE_ASYNC_BYTES`, was
+        measured (``benchmarks/inline_async.py``). Settable per communicator
+        (bytes, an int >= 0): e.g. 0 where every async call must overlap."""
         return self._inline_async
 
     @inline_async_bytes.setter
@@ -505,7 +508,7 @@ class Communicator(CollectiveMethods):
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"inline_async_bytes: expected an int >= 0 (bytes), got {n!r}")
         if self._gpu and n:
-            raise ValueError(f"inline_async_bytes: only the CPU runs small async calls inline; "
+            raise ValueError(f"inline_async_bytes: only the CPU queues small async calls quietly; "
                              f"a {self._dev_type} communicator keeps 0, got {n}")
         self._inline_async = int(n)
         self._build_fast_paths()

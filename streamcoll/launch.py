@@ -8,6 +8,9 @@ no cross-stream wait.
 ``async_op=True`` (comm stream): the comm stream cached for the caller's
 (device, current stream) waits on an event recorded on the current stream,
 the plan runs there, a completion event is recorded and a Work comes back.
+A small CPU one (``Communicator.inline_async_bytes``) is queued on the comm
+thread without waking it, by the fast path too (:data:`ASYNC_TEMPLATE`);
+when it starts is :mod:`streamcoll.work`'s rule.
 
 Sequence numbers are taken in one place, under the exec lock, in the same
 critical section that issues the call (inline) or queues it (CPU comm
@@ -21,7 +24,7 @@ for each collective declared ``fast`` in :mod:`streamcoll.spec`, specialised
 per communicator (C function, handle, dtype table, argument order from the
 header), with the argument checks of the common case inlined. Anything the
 fast path does not take (a numpy array, a non-contiguous tensor, AVG of integers,
-``async_op=True``, queued async work, a bad argument) falls through to the
+a large or widened ``async_op=True`` call, queued async work, a bad argument) falls through to the
 general method, which validates and reports; so does every call while the
 communicator may not take a fast path (one attribute, ``_fast_ok``, read
 under the exec lock: a fast path saved as ``f = c.all_reduce`` before a

@@ -100,10 +100,11 @@ class Runtime:
             with self.mod.stream(stream):
                 post()
 
-    def submit(self, lane: Lane, runner: Callable[[Any, Any, Any], None], plan: Any, entry: Any) -> Any:
+    def submit(self, lane: Lane, runner: Callable[[Any, Any, Any], None], plan: Any, entry: Any,
+               quiet: bool = False) -> Any:
         """Launch ``runner(plan, entry, handle)`` on ``lane``'s comm stream,
         after the caller's prior work on its current stream. Called with the
-        exec lock held."""
+        exec lock held. ``quiet``: the CPU runtime's (see CpuRuntime.submit)."""
         raise NotImplementedError
 
     # events ---------------------------------------------------------------
@@ -200,6 +201,12 @@ class CpuRuntime(Runtime):
     queued and the comm thread runs it in its turn; inline calls take theirs
     in the generated launcher. So all communicators' calls run one at a
     time, in the order the process issued them.
+
+    An item queued quietly (``submit(quiet=True)``: a small async call) does
+    not wake the comm thread; :meth:`nudge` does, or a waiter runs it itself
+    (:meth:`run_here`: the queue's first item, nothing running; the comm
+    thread waits meanwhile). Waiters of items wait on their own condition,
+    so a completion does not wake an idle comm thread.
     """
 
     device_type = "cpu"
@@ -330,11 +337,11 @@ class CpuRuntime(Runtime):
         thread has not started it and it is next (first in the queue, nothing
         running); returns whether it did (it then completed, or failed:
         :meth:`error`). What ``Work.wait()`` without a timeout does for a
-        small call (``Communicator.inline_async_bytes``): the caller blocks
-        until completion anyway, and running the call itself saves the two
-        thread hand-offs (the comm thread, woken when the call was queued,
-        finds nothing to do). The call still runs in its turn
-        (:attr:`turnstile`), and the comm thread waits for it."""
+        small call queued quietly (``submit(quiet=True)``, the rule in
+        :mod:`streamcoll.work`): the caller blocks until completion anyway,
+        and running the call itself saves both thread hand-offs. The call
+        still runs in its turn (:attr:`turnstile`), its flight entry is
+        stamped as on the comm thread, and the comm thread waits for it."""
         item = event.item
         if item is None or item.done:
             return False
@@ -478,7 +485,7 @@ class _TorchGpuRuntime(Runtime):
         ready = mod.Event()
         return Lane(key, stream, current, self.native(self.stream_handle(stream)), ready)
 
-    def submit(self, lane: Lane, runner, plan, entry) -> None:
+    def submit(self, lane: Lane, runner, plan, entry, quiet: bool = False) -> None:
         # Inputs ready: the comm stream waits for everything queued on the
         # caller's stream so far (record-then-wait, like torch's wait_stream).
         lane.ready.record(lane.current)

@@ -11,6 +11,39 @@ cannot hand their memory to someone else while the comm stream still uses
 it. Works nobody waits on (an ``isend`` fire-and-forget, say) are covered by
 the :class:`Reaper`, which holds the tensors until the completion event has
 fired. On the CPU the comm thread itself holds them until the C call returned.
+
+The async contract (torch's): an ``async_op=True`` call returns without
+waiting for its peers; ``wait(timeout)`` bounds the wait (past it,
+:class:`~streamcoll.CollectiveTimeout`); futures complete, and their
+callbacks run, on the callback thread in completion order
+(:mod:`streamcoll.callbacks`), never on the thread issuing collectives.
+
+When a small async call starts (CPU; its largest buffer at most
+``Communicator.inline_async_bytes``, ``STREAMCOLL_INLINE_ASYNC_BYTES``,
+default 65536): it takes its sequence number and its turn in the process
+when issued, like any async call, and is queued on the communicator's comm
+thread *without waking it* (a wake-up and the hand-back cost 50-90 us
+against a ~10-20 us call). It starts at the first of:
+
+- ``wait()`` without a timeout: the caller would block until it completed
+  anyway, so it runs the call itself, on its own thread, if the call is
+  next on its communicator (``CpuRuntime.run_here``); otherwise the comm
+  thread, busy with the work before it, runs it;
+- ``wait(timeout)``, ``synchronize()``, ``is_completed()``,
+  ``is_success()``, ``exception()``, ``get_future()``, dropping the Work
+  unwaited: the comm thread is woken (a waiter with a timeout must be able
+  to stop waiting, a callback must not run on the caller's thread);
+- any later call on the same communicator (it is queued behind, and its
+  queueing wakes the comm thread), any call anywhere in the process that
+  waits for its turn behind it (``Turnstile.wait`` wakes it), destroy;
+- the next watchdog pass (every ``min(0.5 s, timeout / 10)``; with
+  ``STREAMCOLL_WATCHDOG=off`` too): a caller blocked on something else
+  between issue and wait (a store handshake, a gloo group) still sees it go
+  out, up to a pass later.
+
+So a small async call never blocks its caller on its peers, and completes in
+issue order with everything else; ``inline_async_bytes = 0`` queues every
+async call with a wake-up (no run on the caller's thread, no delay).
 """
 from __future__ import annotations
 
@@ -23,7 +56,6 @@ import torch
 from . import helper_threads
 from .callbacks import Future
 from .errors import CollectiveTimeout, CommunicatorError
-from .streams import CpuEvent
 from .timeouts import seconds as _seconds  # the one check of timeout arguments
 
 
@@ -297,39 +329,6 @@ class Work:
     def __repr__(self) -> str:
         state = "completed" if self.is_completed() else "pending"
         return f"<streamcoll.Work {self.op} seq={self.seq} {state}>"
-
-
-# The completion event of work that completed before its Work was made
-# (CpuRuntime: an event without an item is done).
-_DONE = CpuEvent()
-
-
-class DoneWork(Work):
-    """The Work of an ``async_op=True`` call that ran inline because it was
-    small (``STREAMCOLL_INLINE_ASYNC_BYTES``): it completed, successfully,
-    before this was returned (a failed call raised instead). Nothing can
-    change that: it keeps no event and no lane, and a later failure of the
-    communicator does not make it report one."""
-
-    __slots__ = ()
-
-    def __init__(self, comm, seq: int, op: str, outputs) -> None:
-        self._comm = comm
-        self._rt = comm._rt
-        self._lane = None
-        self._event = _DONE
-        self._outputs = outputs
-        self._stash = None
-        self._future = None
-        self._waited = False
-        self.seq = seq
-        self.op = op
-
-    def _error(self) -> Optional[BaseException]:
-        return None
-
-    def __del__(self) -> None:
-        pass
 
 
 class PostedWork(Work):
