@@ -138,7 +138,7 @@ class Runtime:
             time.sleep(0.0002)
         return True
 
-    def nudge(self) -> None:
+    def nudge(self, blocking: bool = True) -> None:
         """Start work queued without a wake-up (CPU); nothing elsewhere."""
 
     def keep_alive(self, tensors, lane: Lane) -> None:
@@ -252,13 +252,19 @@ class CpuRuntime(Runtime):
         self._enqueue(item)
         return item
 
-    def nudge(self) -> None:
+    def nudge(self, blocking: bool = True) -> None:
         """Start quietly queued work: wake the comm thread if work waits
         for it (someone is about to wait with a timeout, query, or block
-        behind it)."""
-        with self._mutex:
+        behind it). ``blocking=False`` (a finaliser, which may run inside
+        this runtime's own critical section): not if the lock is taken (the
+        watchdog's next pass starts the work then)."""
+        if not self._mutex.acquire(blocking):
+            return
+        try:
             if self._queue and self.running is None:
                 self._cond.notify()
+        finally:
+            self._mutex.release()
 
     def _enqueue(self, item: _Item) -> None:
         with self._cond:
@@ -292,21 +298,29 @@ class CpuRuntime(Runtime):
     def _run(self, item: _Item) -> None:
         """Run ``item`` (taken from the queue as :attr:`running`) in its turn
         and complete it: on the comm thread, or on a waiter's thread
-        (:meth:`run_here`). Its completion callbacks are handed on before
+        (:meth:`run_here`), where an exception (a KeyboardInterrupt) may land
+        at any line: the item is completed whatever happens (its error is
+        the waiter's). Its completion callbacks are handed on before
         :attr:`running` clears, so the next item, on either thread, is
         handed on after them: in completion order."""
         ts = self.turnstile
         try:
-            if ts is not None and ts.turn != item.ticket:
-                ts.wait(item.ticket)  # behind the calls issued before it, on every communicator
-            if item.exc is None:  # failed while it waited for its turn: not run
-                item.runner(item.plan, item.entry, self._null)
-        except BaseException as e:  # delivered to whoever waits on the item
-            if item.exc is None:  # a failure fail() recorded first stays the reason
-                item.exc = e
+            try:
+                if ts is not None and ts.turn != item.ticket:
+                    ts.wait(item.ticket)  # behind the calls issued before it, on every communicator
+                if item.exc is None:  # failed while it waited for its turn: not run
+                    item.runner(item.plan, item.entry, self._null)
+            except BaseException as e:  # delivered to whoever waits on the item
+                if item.exc is None:  # a failure fail() recorded first stays the reason
+                    item.exc = e
+            finally:
+                if ts is not None and ts.turn == item.ticket:
+                    ts.leave(item.ticket)
         finally:
-            if ts is not None and ts.turn == item.ticket:
-                ts.leave(item.ticket)
+            self._complete(item)
+
+    def _complete(self, item: _Item) -> None:
+        """Mark ``item`` done, release its waiters, hand on its callbacks, clear :attr:`running`."""
         with self._mutex:
             item.plan = None  # host memory is free to reuse once the call returned
             item.done = True
@@ -351,7 +365,15 @@ class CpuRuntime(Runtime):
                 return False
             q.popleft()
             self.running = item
-        self._run(item)
+        try:
+            self._run(item)
+        except BaseException:
+            if not item.done:  # interrupted before it ran: back to the head of the queue, for the comm thread
+                with self._mutex:
+                    q.appendleft(item)
+                    self.running = None
+                    self._cond.notify()
+            raise
         return True
 
     def fail(self, error_for: Callable[[Any], BaseException]) -> None:

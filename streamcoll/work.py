@@ -316,7 +316,7 @@ class Work:
         try:
             ev = self._event
             if self._here and not self._waited:
-                self._rt.nudge()  # dropped unwaited (fire and forget): its call must still go out
+                self._rt.nudge(False)  # dropped unwaited (fire and forget): its call must still go out
             if ev is not None:
                 self._event = None
                 e = self._comm._flight.at(self.seq)

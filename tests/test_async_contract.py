@@ -62,21 +62,28 @@ def _callback_order(comm: Any, port: int) -> Dict[str, Any]:
     try:
         ref = _callback_program(lambda t: dist.all_reduce(t, async_op=True), comm.rank)
         got = _callback_program(lambda t: comm.all_reduce(t, async_op=True), comm.rank)
+        sc = dist.new_group(backend="streamcoll")
+        dist.all_reduce(torch.ones(1), group=sc)  # the group's communicator exists before the program
+        via_pg = _callback_program(lambda t: dist.all_reduce(t, group=sc, async_op=True), comm.rank)
+        dist.barrier()
+        dist.destroy_process_group(sc)
         settle_gloo()
     finally:
         dist.destroy_process_group()
-    return {"gloo": ref, "streamcoll": got}
+    return {"gloo": ref, "streamcoll": got, "process_group": via_pg}
 
 
 def test_callbacks_run_in_completion_order_on_every_rank(world2):
     """Finding 2: rank 0's small call ran inline and its callback at once on
     the main thread, before the earlier call's callback; rank 1's queued:
     the ranks all-reduced t2 against t1 (both 101). Now each rank's
-    callbacks run in completion order, and the sums are gloo's."""
+    callbacks run in completion order, and the sums are gloo's, through the
+    direct API and through dist.all_reduce on the backend."""
     res = world2.run(_callback_order, free_port(), timeout=90)
     for r, out in enumerate(res):
         assert out["gloo"] == {"t1": [2.0] * 4, "t2": [200.0] * 4}, (r, out["gloo"])
-        assert out["streamcoll"] == out["gloo"], f"rank {r}: streamcoll {out['streamcoll']} != gloo {out['gloo']}"
+        for path in ("streamcoll", "process_group"):
+            assert out[path] == out["gloo"], f"rank {r}: {path} {out[path]} != gloo {out['gloo']}"
 
 
 # ---------------------------------------------- finding 5: a late peer
