@@ -329,8 +329,10 @@ class CpuRuntime(Runtime):
             item.callbacks = None  # no Work <-> item reference cycle once fired
             if self._waiters:
                 self._done_cv.notify_all()
-            if not cbs:
-                self._ran()
+            if not cbs:  # _ran(), inline: the common case
+                self.running = None
+                if self._queue and self._thread is not threading.current_thread():
+                    self._cond.notify()
                 return
         try:
             for cb in cbs:
