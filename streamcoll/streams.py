@@ -216,11 +216,12 @@ class CpuRuntime(Runtime):
         self.turnstile = turnstile
         self._name = name
         self._queue: collections.deque = collections.deque()
-        self._mutex = lock = threading.Lock()  # _cond's lock (taken bare where no condition is used: cheaper)
-        self._cond = threading.Condition(lock)  # the comm thread waits on it for work
-        # Waiters of items wait on their own condition (same lock; _waiters
-        # counts them): a completion does not wake an idle comm thread (what
-        # a waiter running a call itself saves)
+        self._mutex = lock = threading.Lock()  # the lock of the conditions (taken bare where none is used: cheaper)
+        self._cond = threading.Condition(lock)  # what queueing notifies (nobody waits on it)
+        # The comm thread waits for work on _work_cv, waiters of items on
+        # _done_cv (_waiters counts them), one lock: queueing quietly and a
+        # completion do not wake an idle comm thread (submit and nudge do)
+        self._work_cv = threading.Condition(lock)
         self._done_cv = threading.Condition(lock)
         self._waiters = 0
         self._pending = 0
@@ -250,6 +251,8 @@ class CpuRuntime(Runtime):
             # before its ticket: whoever waits for a later turn wakes this comm thread (Turnstile.wait)
             ts.sleepers[id(self)] = self
         self._enqueue(item)
+        if not quiet:
+            self.nudge()
         return item
 
     def nudge(self, blocking: bool = True) -> None:
@@ -262,7 +265,7 @@ class CpuRuntime(Runtime):
             return
         try:
             if self._queue and self.running is None:
-                self._cond.notify()
+                self._work_cv.notify()
         finally:
             self._mutex.release()
 
@@ -278,12 +281,11 @@ class CpuRuntime(Runtime):
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
-            if not item.quiet:
-                self._cond.notify_all()
+            self._cond.notify_all()
 
     def _loop(self) -> None:
         q = self._queue
-        cond = self._cond
+        cond = self._work_cv
         while True:
             with cond:
                 # running set and not popped here: an item a waiter runs on its own thread (run_here)
@@ -332,7 +334,7 @@ class CpuRuntime(Runtime):
             if not cbs:  # _ran(), inline: the common case
                 self.running = None
                 if self._queue and self._thread is not threading.current_thread():
-                    self._cond.notify()
+                    self._work_cv.notify()
                 return
         try:
             for cb in cbs:
@@ -346,7 +348,7 @@ class CpuRuntime(Runtime):
         waited while a waiter ran it (:meth:`run_here`) takes the next."""
         self.running = None
         if self._queue and self._thread is not threading.current_thread():
-            self._cond.notify()
+            self._work_cv.notify()
 
     def run_here(self, event: CpuEvent) -> bool:
         """Run the work behind ``event`` on the calling thread if the comm
@@ -374,7 +376,7 @@ class CpuRuntime(Runtime):
                 with self._mutex:
                     q.appendleft(item)
                     self.running = None
-                    self._cond.notify()
+                    self._work_cv.notify()
             raise
         return True
 
@@ -404,7 +406,7 @@ class CpuRuntime(Runtime):
                 if it.callbacks:
                     fired += it.callbacks
                 it.callbacks = None
-            self._cond.notify_all()
+            self._work_cv.notify_all()
             self._done_cv.notify_all()
         for cb in fired:
             cb()
@@ -479,7 +481,7 @@ class CpuRuntime(Runtime):
             self.turnstile.sleepers.pop(id(self), None)
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
+            self._work_cv.notify_all()
             t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout)

@@ -224,7 +224,12 @@ class Watchdog:
             with self._lock:
                 comms = [c for c in self._comms if not c.destroyed]
             try:
-                self.check(comms)
+                if mode() == "off":  # CPU communicators only: start their quietly queued calls, nothing else
+                    for c in comms:
+                        if c.failure is None:
+                            c._rt.nudge()
+                else:
+                    self.check(comms)
             except Exception as e:  # never let the watchdog die silently
                 log.error("streamcoll watchdog: internal error: %r", e)
             self._wake.wait(self._interval(comms))
@@ -237,15 +242,12 @@ class Watchdog:
             if not fired and (now - start) / 1e9 > timeout + GRACE_S:
                 g[4] = True  # reported once; the guarded call may stay stuck (fail mode): not again
                 self._fire_guard(what, timeout, detail, (now - start) / 1e9)
-        off = mode() == "off"
         for comm in comms:
             if comm.destroyed or comm.failure is not None:
                 continue
             # small CPU async calls queued without waking the comm thread start
             # within a pass even if nothing in the process touches them (streamcoll.work)
             comm._rt.nudge()
-            if off:
-                continue  # that is all it does when off
             fr = comm.flight
             limit = comm.timeout + GRACE_S
             hung = None
