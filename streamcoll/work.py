@@ -212,6 +212,11 @@ class Work:
         timeout (or longer) the call is stuck, and the communicator is marked
         failed. A failed collective raises its error (:meth:`exception`).
         Posted p2p ops of other communicators are launched first.
+        A small CPU call not started yet (the module docstring) is run here,
+        on the calling thread, when no ``timeout`` is given: it then blocks as
+        a synchronous call does, and the communicator's timeout is the
+        watchdog's, as for a synchronous call; pass a ``timeout`` for a
+        wait that raises instead.
         Returns True.
         """
         comm = self._comm
