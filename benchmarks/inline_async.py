@@ -1,17 +1,20 @@
-"""The small-async threshold (issue 25): where a CPU ``async_op=True`` call
-should stop running inline and go to the comm thread.
+"""The small-async threshold (issues 25 and 33): up to where a CPU
+``async_op=True`` call should be queued quietly (no comm-thread wake-up;
+``wait()`` runs it on the calling thread, see ``streamcoll/work.py``) rather
+than handed to the comm thread at once.
 
 Per message size, in the same processes and interleaved round by round:
 ``sync`` (``comm.all_reduce(t)``), ``handoff`` (``all_reduce(t,
 async_op=True).wait()`` on a communicator made with
-``STREAMCOLL_INLINE_ASYNC_BYTES=0``: always the comm thread) and
-``inline`` (the same on a communicator with the threshold above every size
-here). The hand-off's cost is ``handoff - sync``. Running a call inline
-saves that cost and gives up overlapping the call with compute, which can
-win back at most the call's own time (``sync``): inline is right while
-``handoff - sync >= sync``. The threshold printed is the largest size
-where that held in the median, rounded down to a power of two; the
-default (``streamcoll.communicator.INLINE_ASYNC_BYTES``) was set from it.
+``STREAMCOLL_INLINE_ASYNC_BYTES=0``: the comm thread, woken) and
+``small`` (the same on a communicator with the threshold above every size
+here: queued quietly; before issue 33 it ran inline). The hand-off's cost
+is ``handoff - sync``. The small strategy saves most of that cost and gives
+up overlapping the call with compute, which can win back at most the
+call's own time (``sync``): it is right while ``handoff - sync >= sync``.
+The threshold printed is the largest size where that held in the median,
+rounded down to a power of two; the default
+(``streamcoll.communicator.INLINE_ASYNC_BYTES``) was set from it.
 
     torchrun --nproc-per-node 2 benchmarks/inline_async.py
     python benchmarks/inline_async.py                       # world size 1
@@ -60,7 +63,7 @@ def main(argv=None) -> int:
     variants: Dict[str, Callable[[torch.Tensor], object]] = {
         "sync": lambda t: inl.all_reduce(t),
         "handoff": lambda t: hand.all_reduce(t, async_op=True).wait(),
-        "inline": lambda t: inl.all_reduce(t, async_op=True).wait(),
+        "small": lambda t: inl.all_reduce(t, async_op=True).wait(),
     }
     bufs = {s: torch.ones(max(1, s // 4)) for s in sizes}
     # calls per measurement: from a first timing, so each takes about the budget (same on every rank)
@@ -82,32 +85,33 @@ def main(argv=None) -> int:
                 x = torch.tensor([_per_call(lambda: f(t), calls[s])])
                 world.all_reduce(x)
                 times[s][v].append(x.item() / n)
-    # the inline strategy's values are right at every size
+    # the small strategy's values are right at every size
     for s in sizes:
         t = torch.ones(max(1, s // 4))
-        variants["inline"](t)
+        variants["small"](t)
         assert torch.all(t == n), (s, t[:2])
     if rank == 0:
         load = os.getloadavg()[0]
-        lines = [f"# inline vs hand-off, {n} rank(s), load {load:.2f}, medians of {a.rounds} rounds, us per call",
-                 f"{'bytes':>8} {'sync':>9} {'handoff':>9} {'inline':>9} {'handoff-sync':>13} {'inline wins':>12}"]
+        lines = [f"# small vs hand-off, {n} rank(s), load {load:.2f}, medians of {a.rounds} rounds, us per call",
+                 f"{'bytes':>8} {'sync':>9} {'handoff':>9} {'small':>9} {'handoff-sync':>13} {'small wins':>12} "
+                 f"{'small/sync':>11}"]
         rows = []
         for s in sizes:
             m = {v: statistics.median(times[s][v]) for v in variants}
             cost = m["handoff"] - m["sync"]
             wins = cost >= m["sync"]
             rows.append({"bytes": s, **{k: round(v, 2) for k, v in m.items()}, "handoff_cost": round(cost, 2),
-                         "inline_wins": wins, "rounds": {k: [round(x, 2) for x in v] for k, v in times[s].items()}})
-            lines.append(f"{s:>8} {m['sync']:>9.1f} {m['handoff']:>9.1f} {m['inline']:>9.1f} {cost:>13.1f} "
-                         f"{'yes' if wins else 'no':>12}")
+                         "small_wins": wins, "rounds": {k: [round(x, 2) for x in v] for k, v in times[s].items()}})
+            lines.append(f"{s:>8} {m['sync']:>9.1f} {m['handoff']:>9.1f} {m['small']:>9.1f} {cost:>13.1f} "
+                         f"{'yes' if wins else 'no':>12} {m['small'] / m['sync']:>11.2f}")
         # the largest size below which inline won at every size, as a power of two
         thr = 0
         for r in rows:
-            if not r["inline_wins"]:
+            if not r["small_wins"]:
                 break
             thr = r["bytes"]
         thr = 1 << (thr.bit_length() - 1) if thr else 0
-        lines.append(f"threshold: {thr} bytes (inline wins at every size up to it)")
+        lines.append(f"threshold: {thr} bytes (small wins at every size up to it)")
         text = "\n".join(lines)
         print(text, flush=True)
         if a.out:

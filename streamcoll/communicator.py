@@ -131,7 +131,7 @@ from .spec import Plan
 from .streams import Lane, runtime_for
 from . import work as _work
 from .env_vars import read_int
-from .work import POSTING, REAPER, DoneWork, PostedWork, Work, launch_posted
+from .work import POSTING, REAPER, PostedWork, Work, launch_posted
 
 log = logging.getLogger("streamcoll")
 
@@ -222,8 +222,8 @@ def live_count(backend: str) -> int:
 INLINE_ASYNC_BYTES = 65536
 
 
-# A barrier's cost is the peers' arrival, not its bytes: async, it lets the
-# caller go on (and dist.barrier(timeout=) bounds the wait), never inline.
+# A barrier's cost is the peers' arrival, not its bytes: async, it wakes the
+# comm thread at once (what a health check or dist.barrier(timeout=) expects).
 _NEVER_INLINE = frozenset({"barrier"})
 
 
@@ -357,7 +357,7 @@ class Communicator(CollectiveMethods):
             return c
 
         self._rt = runtime_for(device, native, backend.turnstile)
-        # CPU async calls up to this many bytes run inline (see inline_async_bytes)
+        # CPU async calls up to this many bytes are queued quietly (see inline_async_bytes)
         self._inline_async = 0 if self._gpu else read_int("STREAMCOLL_INLINE_ASYNC_BYTES", INLINE_ASYNC_BYTES, 0)
         self._lanes: Dict[Any, Lane] = {}
         self._cx = PlanContext(self)
@@ -487,23 +487,26 @@ class Communicator(CollectiveMethods):
     @property
     def fast_path(self) -> bool:
         """Whether the generated synchronous fast paths are in use now (they
-        also take the small async calls, :attr:`inline_async_bytes`)."""
+        also queue the small async calls, :attr:`inline_async_bytes`)."""
         return bool(self._fast) and next(iter(self._fast)) in self.__dict__
 
     @property
     def inline_async_bytes(self) -> int:
         """The per-call strategy of CPU ``async_op=True`` calls: one whose
-        largest buffer has at most this many bytes runs inline on the calling
-        thread, in order behind any queued work, and returns a completed
-        Work; a larger one goes to the comm thread, so large buckets overlap
-        with compute. Why: handing a call to the comm thread and waiting for
-        it costs about 50-90 us on these machines (a thread wake-up each
-        way and the GIL), more than a small collective itself, and overlap
-        cannot win back more than the call's own time. 0 on GPUs (their
-        strategies do not change) and with ``STREAMCOLL_INLINE_ASYNC_BYTES=0``.
-        The default, :data:`INLINE_ASYNC_BYTES`, was measured
-        (``benchmarks/inline_async.py``). Settable per communicator (bytes,
-        an int >= 0): e.g. 0 where every async call must overlap."""
+        largest buffer has at most this many bytes is queued without waking
+        the comm thread and returns a pending Work at once; ``wait()``
+        without a timeout runs it on the calling thread, and a query,
+        ``wait(timeout)``, a later call behind it or the next watchdog pass
+        starts it on the comm thread (the rule: :mod:`streamcoll.work`). A
+        larger one wakes the comm thread at once, so large buckets overlap
+        with compute. Why: waking the comm thread and waiting for it costs
+        about 50-90 us on these machines (a thread wake-up each way and the
+        GIL), more than a small collective itself, and overlap cannot win
+        back more than the call's own time. 0 on GPUs (their strategies do
+        not change) and with ``STREAMCOLL_INLINE_ASYNC_BYTES=0`` (every call
+        wakes the comm thread). The default, :data:`INLINE_ASYNC_BYTES`, was
+        measured (``benchmarks/inline_async.py``). Settable per communicator
+        (bytes, an int >= 0): e.g. 0 where every async call must overlap."""
         return self._inline_async
 
     @inline_async_bytes.setter
@@ -511,7 +514,7 @@ class Communicator(CollectiveMethods):
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"inline_async_bytes: expected an int >= 0 (bytes), got {n!r}")
         if self._gpu and n:
-            raise ValueError(f"inline_async_bytes: only the CPU runs small async calls inline; "
+            raise ValueError(f"inline_async_bytes: only the CPU queues small async calls quietly; "
                              f"a {self._dev_type} communicator keeps 0, got {n}")
         self._inline_async = int(n)
         self._build_fast_paths()
@@ -777,13 +780,8 @@ class Communicator(CollectiveMethods):
                 return self._post(name, plan)
             if self._posted:
                 self._flush_posted()
-            if (self._inline_async and name not in _NEVER_INLINE and not self._rt._pending  # type: ignore[attr-defined]
-                    and _nbytes(plan) <= self._inline_async):
-                if POSTING:
-                    launch_posted()  # it blocks now: as a synchronous call
-                self._launch_sync(name, plan, None)  # behind queued work if some was queued meanwhile
-                return DoneWork(self, self._seq, name, plan.outputs)
-            return self._launch_async(name, plan)
+            return self._launch_async(name, plan, here=(self._inline_async and name not in _NEVER_INLINE
+                                                        and _nbytes(plan) <= self._inline_async))
         if self._posted and name in _P2P_SYNC and stream is None:
             # with the posted ops in one group: a blocking send/recv after
             # an irecv/isend must not wait behind them (nor they behind it)
@@ -952,7 +950,7 @@ class Communicator(CollectiveMethods):
         if plan.post is not None:
             plan.post()
 
-    def _launch_async(self, name: str, plan: Plan, key: Any = None, current: Any = None) -> Work:
+    def _launch_async(self, name: str, plan: Plan, key: Any = None, current: Any = None, here: Any = False) -> Work:
         """Queue ``plan`` on the comm stream serving ``key`` (default: the
         caller's current stream; ``current``: that stream, where the caller's
         current one is another: posted ops launched later) and return its Work."""
@@ -986,7 +984,7 @@ class Communicator(CollectiveMethods):
                 e.state = _flight.LAUNCHED
                 e.event = ev  # the watchdog polls it
             else:
-                item = rt.submit(lane, self._execute_host, plan, e)
+                item = rt.submit(lane, self._execute_host, plan, e, here)
                 ev = rt.completion_event(lane, item)
         finally:
             lock.release()
@@ -996,7 +994,7 @@ class Communicator(CollectiveMethods):
                 rt.keep_alive(plan.keep, lane)
             else:
                 stash = REAPER.add(ev, plan.keep, self._dev_index if self._dev_type == "cuda" else None)
-        return Work(self, rt, lane, ev, seq, name, plan.outputs, stash)
+        return Work(self, rt, lane, ev, seq, name, plan.outputs, stash, bool(here))
 
     def _complete_future_when_done(self, work: Work) -> None:
         """Complete ``work``'s future once the collective has: the comm thread

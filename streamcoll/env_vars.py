@@ -82,9 +82,11 @@ TABLE: Tuple[EnvVar, ...] = (
     EnvVar("NCCL_SOCKET_IFNAME", "applied", "lo / =the routed interface",
            "NCCL's sockets: loopback on one host, else exactly the interface that reaches MASTER_ADDR"),
     EnvVar("STREAMCOLL_INLINE_ASYNC_BYTES", "streamcoll", "65536",
-           "CPU: an `async_op=True` call whose largest buffer has at most this many bytes runs inline on the "
-           "calling thread (in order behind queued work) and returns a completed Work; larger ones go to the "
-           "comm thread and overlap. `0`: always the comm thread (measured: `benchmarks/inline_async.py`)"),
+           "CPU: an `async_op=True` call whose largest buffer has at most this many bytes is queued without "
+           "waking the comm thread and returns a pending Work; `wait()` runs it on the calling thread, a query, "
+           "`wait(timeout)` or the next watchdog pass starts it on the comm thread (`streamcoll/work.py`); "
+           "larger ones go to the comm thread at once and overlap. `0`: every call wakes the comm thread "
+           "(measured: `benchmarks/inline_async.py`)"),
     EnvVar("STREAMCOLL_EAGER_INIT", "streamcoll", "auto",
            "`init_process_group(\"streamcoll\")` makes the world's cpu communicator at once where oneCCL loads "
            "and no CUDA GPU is visible, before any sub-group's (oneCCL's shared memory serves later communicators "

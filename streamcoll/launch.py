@@ -8,6 +8,9 @@ no cross-stream wait.
 ``async_op=True`` (comm stream): the comm stream cached for the caller's
 (device, current stream) waits on an event recorded on the current stream,
 the plan runs there, a completion event is recorded and a Work comes back.
+A small CPU one (``Communicator.inline_async_bytes``) is queued on the comm
+thread without waking it, by the fast path too (:data:`ASYNC_TEMPLATE`);
+when it starts is :mod:`streamcoll.work`'s rule.
 
 Sequence numbers are taken in one place, under the exec lock, in the same
 critical section that issues the call (inline) or queues it (CPU comm
@@ -21,7 +24,7 @@ for each collective declared ``fast`` in :mod:`streamcoll.spec`, specialised
 per communicator (C function, handle, dtype table, argument order from the
 header), with the argument checks of the common case inlined. Anything the
 fast path does not take (a numpy array, a non-contiguous tensor, AVG of integers,
-``async_op=True``, queued async work, a bad argument) falls through to the
+a large or widened ``async_op=True`` call, queued async work, a bad argument) falls through to the
 general method, which validates and reports; so does every call while the
 communicator may not take a fast path (one attribute, ``_fast_ok``, read
 under the exec lock: a fast path saved as ``f = c.all_reduce`` before a
@@ -33,14 +36,16 @@ from __future__ import annotations
 
 import linecache
 import time
+import threading
+import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from .ops import ReduceOp
 from .plans import FLOATS
-from .recorder import FlightEntry
-from .work import DoneWork
+from .recorder import ENQUEUED, FlightEntry
+from .work import Work
 from .spec import CollectiveSpec, Plan, c_roles, signature_text
 
 __all__ = ["SYNC_TEMPLATE", "build_sync_launcher", "build_fast_path", "generated_source"]
@@ -80,6 +85,26 @@ if {ready}:
 {leave}        _lock.release()
     return {ret}
 {not_ready}
+"""
+
+
+# The small CPU async call (Communicator.inline_async_bytes): queued on the
+# comm thread like any async call (sequence number, flight entry and ticket
+# in one critical section, under the exec lock) but without waking it, and
+# a Work that wait() without a timeout runs on the caller's thread
+# (streamcoll.work: the rule). Placeholders: {name}, {args} (the C call's
+# arguments but the stream), {keep}, {outs}. No lane yet for the calling
+# thread: the general path makes it.
+ASYNC_TEMPLATE = """\
+ln = _lanes.get(_ident())
+if ln is not None:
+    pl = _Plan(_f, ({args},), None, {keep}, {outs}, {name})
+    with _lock:
+        if _comm._fast_ok:
+            seq = _comm._seq = _comm._seq + 1
+            e = _ring[seq & _mask] = _Entry(seq, {name}, _comm._p2p, False, _now(), {refs}, _ENQUEUED)
+            it = _submit(ln, _exec, pl, e, True)
+            return _Work(_comm, _rt, ln, _event(ln, it), seq, {name}, {outs}, None, True)
 """
 
 
@@ -193,7 +218,6 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
     if f is None:
         return None
     gpu = comm._gpu
-    roles = c_roles(cx.declarations, comm._backend.funcs[spec.name])
     ns = _namespace(comm)
     ns.update({
         "_general": general, "_f": f, "_h": comm._handle, "_size": comm._size, "_rank": comm._rank,
@@ -203,12 +227,16 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         "_ptrs": cx.ptrs.get, "_vp": cx.vp, "_null": comm._rt._null if not gpu else None,
     })
     conds: List[str] = []
-    # Small CPU async calls run here too, inline, and return a completed Work
-    # (Communicator.inline_async_bytes): ia says which.
-    inline_async = bool(spec.async_mode == "param" and not gpu and not spec.p2p and comm._inline_async)
+    # Small CPU async calls are queued here too (ASYNC_TEMPLATE;
+    # Communicator.inline_async_bytes): ia says which. Reductions through a
+    # wider dtype and AVG take the general path (their scratch and post-op).
+    roles = c_roles(cx.declarations, comm._backend.funcs[spec.name])
+    inline_async = bool(spec.async_mode == "param" and not gpu and not spec.p2p and comm._inline_async
+                        and roles and roles[-1] == "stream")
     if inline_async:
-        ns["_imax"] = comm._inline_async
-        ns["_Done"] = DoneWork
+        ns.update({"_imax": comm._inline_async, "_Work": Work, "_Plan": Plan, "_ENQUEUED": ENQUEUED,
+                   "_lanes": comm._lanes, "_ident": threading.get_ident, "_submit": comm._rt.submit,
+                   "_exec": comm._execute_host, "_event": comm._rt.completion_event, "_wref": weakref.ref})
         conds.append("((ia := async_op is True) or async_op is False)")
     elif spec.async_mode == "param":
         conds.append("async_op is False")
@@ -283,7 +311,9 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
     if inline_async:
         each = [f"m_{b}" if b == cbuf else f"{b}.numel()" for b in bufs]
         biggest = each[0] if len(each) == 1 else f"max({', '.join(each)})"
-        conds.append(f"(not ia or {biggest} * {send}.element_size() <= _imax)")
+        plain = [f"{send}.dtype not in _wide"] if wide else []
+        plain += ["r >= 0"] if fast_avg else []
+        conds.append(f"(not ia or ({' and '.join(plain + [f'{biggest} * {send}.element_size() <= _imax'])}))")
     lines = [f"n = m_{cbuf}" + (" // _size" if how == "numel/size" else "")]
     post = ""
     if fast_avg:
@@ -341,9 +371,16 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         ns["_native"] = comm._rt.native
     keep = "(" + ", ".join(bufs) + ",)"
     ret = {"src": peer}.get(spec.returns, "None")
+    head = ""
     if inline_async:
-        assert ret == "None", spec.name
-        ret = f"(_Done(_comm, seq, {spec.name!r}, ({spec.recv or send},)) if ia else None)"
+        if ret != "None":
+            raise ValueError(f"{spec.name}: a collective with an async_op parameter returns None or a Work")
+        outs = f"({spec.recv or send},)"
+        args = ", ".join(vals[r_] for r_ in roles[:-1])
+        refs = "(" + ", ".join(f"_wref({b})" for b in bufs) + ",)"
+        head = ("if ia:\n" + _indent(ASYNC_TEMPLATE.format(name=repr(spec.name), args=args, keep=keep, outs=outs,
+                                                            refs=refs), 4)
+                + f"    return _general(_comm, {{call_general}})\n")
     # _fast_ok: whether the communicator may take a fast path now
     # (Communicator._refresh_fast_paths decides), read under the exec lock:
     # a fast path saved before coalescing, a failure or destroy falls through
@@ -356,13 +393,14 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
     sig = signature_text(spec)
     argnames = [a.split("=")[0] for a in sig.split(", ") if a != "*"]
     call_general = ", ".join(a if a != "stream" else "stream=stream" for a in argnames)
+    head = head.replace("{call_general}", call_general)
     src = (f"def {spec.name}({sig}):\n"
            f"    try:\n"
            f"        ok = ({(chr(10) + '              and ').join(conds)})\n"
            f"    except Exception:  # e.g. a sparse CSR tensor's is_contiguous(): the general path says why\n"
            f"        ok = False\n"
            f"    if ok:\n"
-           + _indent("\n".join(lines) + "\n" + body, 8)
+           + _indent("\n".join(lines) + "\n" + head + body, 8)
            + f"    return _general(_comm, {call_general})\n")
     fn = _compile(src, spec.name, ns, f"{spec.name}/{comm._device.type}/{comm._backend.name}")
     fn.__doc__ = spec.doc

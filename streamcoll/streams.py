@@ -100,10 +100,11 @@ class Runtime:
             with self.mod.stream(stream):
                 post()
 
-    def submit(self, lane: Lane, runner: Callable[[Any, Any, Any], None], plan: Any, entry: Any) -> Any:
+    def submit(self, lane: Lane, runner: Callable[[Any, Any, Any], None], plan: Any, entry: Any,
+               quiet: bool = False) -> Any:
         """Launch ``runner(plan, entry, handle)`` on ``lane``'s comm stream,
         after the caller's prior work on its current stream. Called with the
-        exec lock held."""
+        exec lock held. ``quiet``: the CPU runtime's (see CpuRuntime.submit)."""
         raise NotImplementedError
 
     # events ---------------------------------------------------------------
@@ -137,6 +138,9 @@ class Runtime:
             time.sleep(0.0002)
         return True
 
+    def nudge(self, blocking: bool = True) -> None:
+        """Start work queued without a wake-up (CPU); nothing elsewhere."""
+
     def keep_alive(self, tensors, lane: Lane) -> None:
         """record_stream mode: tell the caching allocator the comm stream uses these."""
         for t in tensors:
@@ -159,9 +163,10 @@ class Runtime:
 class _Item:
     """One queued call on the CPU comm thread: ``runner(plan, entry, handle)``."""
 
-    __slots__ = ("runner", "plan", "entry", "done", "exc", "callbacks", "ticket")
+    __slots__ = ("runner", "plan", "entry", "done", "exc", "callbacks", "ticket", "quiet")
 
-    def __init__(self, runner, plan, entry) -> None:
+    def __init__(self, runner, plan, entry, quiet: bool = False) -> None:
+        self.quiet = quiet  # queued without waking the comm thread (CpuRuntime.submit)
         self.ticket = -1  # its turn in the process (Backend.turnstile), taken when queued; -1: none
         self.runner = runner
         self.plan = plan
@@ -196,6 +201,12 @@ class CpuRuntime(Runtime):
     queued and the comm thread runs it in its turn; inline calls take theirs
     in the generated launcher. So all communicators' calls run one at a
     time, in the order the process issued them.
+
+    An item queued quietly (``submit(quiet=True)``: a small async call) does
+    not wake the comm thread; :meth:`nudge` does, or a waiter runs it itself
+    (:meth:`run_here`: the queue's first item, nothing running; the comm
+    thread waits meanwhile). Waiters of items wait on their own condition,
+    so a completion does not wake an idle comm thread.
     """
 
     device_type = "cpu"
@@ -205,7 +216,14 @@ class CpuRuntime(Runtime):
         self.turnstile = turnstile
         self._name = name
         self._queue: collections.deque = collections.deque()
-        self._cond = threading.Condition(threading.Lock())
+        self._mutex = lock = threading.Lock()  # the lock of the conditions (taken bare where none is used: cheaper)
+        self._cond = threading.Condition(lock)  # what queueing notifies (nobody waits on it)
+        # The comm thread waits for work on _work_cv, waiters of items on
+        # _done_cv (_waiters counts them), one lock: queueing quietly and a
+        # completion do not wake an idle comm thread (submit and nudge do)
+        self._work_cv = threading.Condition(lock)
+        self._done_cv = threading.Condition(lock)
+        self._waiters = 0
         self._pending = 0
         self._thread: Optional[threading.Thread] = None
         self._closed = False
@@ -224,10 +242,32 @@ class CpuRuntime(Runtime):
     def new_lane(self, key, current: Any = None) -> Lane:
         return Lane(key, self, key, self._null, None)
 
-    def submit(self, lane: Lane, runner, plan, entry) -> _Item:
-        item = _Item(runner, plan, entry)
+    def submit(self, lane: Lane, runner, plan, entry, quiet: bool = False) -> _Item:
+        """Queue ``runner(plan, entry, handle)``; ``quiet``: without waking
+        the comm thread (:meth:`nudge` does; see ``streamcoll.work``)."""
+        item = _Item(runner, plan, entry, quiet)
+        ts = self.turnstile
+        if quiet and ts is not None and id(self) not in ts.sleepers:
+            # before its ticket: whoever waits for a later turn wakes this comm thread (Turnstile.wait)
+            ts.sleepers[id(self)] = self
         self._enqueue(item)
+        if not quiet:
+            self.nudge()
         return item
+
+    def nudge(self, blocking: bool = True) -> None:
+        """Start quietly queued work: wake the comm thread if work waits
+        for it (someone is about to wait with a timeout, query, or block
+        behind it). ``blocking=False`` (a finaliser, which may run inside
+        this runtime's own critical section): not if the lock is taken (the
+        watchdog's next pass starts the work then)."""
+        if not self._mutex.acquire(blocking):
+            return
+        try:
+            if self._queue and self.running is None:
+                self._work_cv.notify()
+        finally:
+            self._mutex.release()
 
     def _enqueue(self, item: _Item) -> None:
         with self._cond:
@@ -245,16 +285,28 @@ class CpuRuntime(Runtime):
 
     def _loop(self) -> None:
         q = self._queue
-        cond = self._cond
+        cond = self._work_cv
         while True:
             with cond:
-                while not q:
-                    if self._closed:
+                # running set and not popped here: an item a waiter runs on its own thread (run_here)
+                while not q or self.running is not None:
+                    if self._closed and not q and self.running is None:
                         return
                     cond.wait()
                 item = q.popleft()
                 self.running = item  # under the lock: fail() sees it either queued or running
-            ts = self.turnstile
+            self._run(item)
+
+    def _run(self, item: _Item) -> None:
+        """Run ``item`` (taken from the queue as :attr:`running`) in its turn
+        and complete it: on the comm thread, or on a waiter's thread
+        (:meth:`run_here`), where an exception (a KeyboardInterrupt) may land
+        at any line: the item is completed whatever happens (its error is
+        the waiter's). Its completion callbacks are handed on before
+        :attr:`running` clears, so the next item, on either thread, is
+        handed on after them: in completion order."""
+        ts = self.turnstile
+        try:
             try:
                 if ts is not None and ts.turn != item.ticket:
                     ts.wait(item.ticket)  # behind the calls issued before it, on every communicator
@@ -266,17 +318,67 @@ class CpuRuntime(Runtime):
             finally:
                 if ts is not None and ts.turn == item.ticket:
                     ts.leave(item.ticket)
-            with cond:
+        finally:
+            self._complete(item)
+
+    def _complete(self, item: _Item) -> None:
+        """Mark ``item`` done, release its waiters, hand on its callbacks, clear :attr:`running`."""
+        with self._mutex:
+            item.plan = None  # host memory is free to reuse once the call returned
+            item.done = True
+            self._pending -= 1
+            cbs = item.callbacks
+            item.callbacks = None  # no Work <-> item reference cycle once fired
+            if self._waiters:
+                self._done_cv.notify_all()
+            if not cbs:  # _ran(), inline: the common case
                 self.running = None
-                item.plan = None  # host memory is free to reuse once the call returned
-                item.done = True
-                self._pending -= 1
-                cbs = item.callbacks
-                item.callbacks = None  # no Work <-> item reference cycle once fired
-                cond.notify_all()
-            if cbs:
-                for cb in cbs:
-                    cb()
+                if self._queue and self._thread is not threading.current_thread():
+                    self._work_cv.notify()
+                return
+        try:
+            for cb in cbs:
+                cb()
+        finally:
+            with self._mutex:
+                self._ran()
+
+    def _ran(self) -> None:
+        """The running item is finished (lock held): a comm thread that
+        waited while a waiter ran it (:meth:`run_here`) takes the next."""
+        self.running = None
+        if self._queue and self._thread is not threading.current_thread():
+            self._work_cv.notify()
+
+    def run_here(self, event: CpuEvent) -> bool:
+        """Run the work behind ``event`` on the calling thread if the comm
+        thread has not started it and it is next (first in the queue, nothing
+        running); returns whether it did (it then completed, or failed:
+        :meth:`error`). What ``Work.wait()`` without a timeout does for a
+        small call queued quietly (``submit(quiet=True)``, the rule in
+        :mod:`streamcoll.work`): the caller blocks until completion anyway,
+        and running the call itself saves both thread hand-offs. The call
+        still runs in its turn (:attr:`turnstile`), its flight entry is
+        stamped as on the comm thread, and the comm thread waits for it."""
+        item = event.item
+        if item is None or item.done:
+            return False
+        with self._mutex:
+            q = self._queue
+            if self.running is not None or not q or q[0] is not item or item.exc is not None:
+                return False
+            q.popleft()
+            self.running = item
+        try:
+            self._run(item)
+        except BaseException:
+            if not item.done:  # interrupted before it ran: back to the head of the queue, for the comm thread
+                with self._mutex:
+                    q.appendleft(item)
+                    self.running = None
+                    self._work_cv.notify()
+            raise
+        return True
 
     def fail(self, error_for: Callable[[Any], BaseException]) -> None:
         """End the queued work with a failure: the one place that does it
@@ -304,7 +406,8 @@ class CpuRuntime(Runtime):
                 if it.callbacks:
                     fired += it.callbacks
                 it.callbacks = None
-            self._cond.notify_all()
+            self._work_cv.notify_all()
+            self._done_cv.notify_all()
         for cb in fired:
             cb()
 
@@ -313,14 +416,18 @@ class CpuRuntime(Runtime):
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while not (item.done or item.exc is not None):
-                if deadline is None:
-                    self._cond.wait()
-                else:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return False
-                    self._cond.wait(left)
+            self._waiters += 1
+            try:
+                while not (item.done or item.exc is not None):
+                    if deadline is None:
+                        self._done_cv.wait()
+                    else:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            return False
+                        self._done_cv.wait(left)
+            finally:
+                self._waiters -= 1
         return True
 
     def completion_event(self, lane: Lane, token: _Item) -> CpuEvent:
@@ -370,9 +477,11 @@ class CpuRuntime(Runtime):
         not finish within ``timeout``. An idle thread counts as finished even
         if it has not exited yet (``timeout`` 0 after a failure): it runs no
         more C calls, so the native communicator may be freed."""
+        if self.turnstile is not None:
+            self.turnstile.sleepers.pop(id(self), None)
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
+            self._work_cv.notify_all()
             t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout)
@@ -402,7 +511,7 @@ class _TorchGpuRuntime(Runtime):
         ready = mod.Event()
         return Lane(key, stream, current, self.native(self.stream_handle(stream)), ready)
 
-    def submit(self, lane: Lane, runner, plan, entry) -> None:
+    def submit(self, lane: Lane, runner, plan, entry, quiet: bool = False) -> None:
         # Inputs ready: the comm stream waits for everything queued on the
         # caller's stream so far (record-then-wait, like torch's wait_stream).
         lane.ready.record(lane.current)

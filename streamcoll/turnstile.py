@@ -26,7 +26,7 @@ import contextlib
 import itertools
 import threading
 import time
-from typing import Iterator, Optional, Set
+from typing import Any, Dict, Iterator, Optional, Set
 
 __all__ = ["Turnstile"]
 
@@ -41,12 +41,18 @@ class Turnstile:
         self.waiting = 0  # threads waiting in wait() (read by the holder that passes the turn)
         self.skipped: Set[int] = set()  # cancelled tickets not reached yet
         self._owner: Optional[int] = None  # the thread inside hold(): nested holds are the same turn
+        # CPU runtimes that queue work without waking their comm thread (small
+        # async calls, CpuRuntime.submit(quiet=True); registered before the
+        # ticket of their first such call, until closed): wait() wakes them
+        self.sleepers: Dict[int, Any] = {}
 
     def wait(self, t: int, timeout: Optional[float] = None) -> bool:
         """Block until ticket ``t``'s turn; False after ``timeout`` seconds
         (the ticket is then cancelled). An exception while waiting (e.g.
         KeyboardInterrupt) cancels the ticket too."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self.sleepers:
+            self.wake_sleepers()
         with self._cond:
             self.waiting += 1
             try:
@@ -65,6 +71,13 @@ class Turnstile:
             finally:
                 self.waiting -= 1
         return True
+
+    def wake_sleepers(self) -> None:
+        """Wake the comm threads of quietly queued work: a ticket before the
+        waiter's may be theirs. Not under the condition (a runtime's lock
+        is taken before it elsewhere)."""
+        for rt in list(self.sleepers.values()):
+            rt.nudge()
 
     def leave(self, t: int) -> None:
         """End ticket ``t``'s turn (its holder only). The generated launchers

@@ -34,8 +34,14 @@ communicator's timeout:
   ``os._exit(EXIT_CODE)`` (86): a launcher such as torchrun then sees a failed
   rank and tears the job down. ``STREAMCOLL_WATCHDOG=fail`` keeps the
   process (the communicator is marked failed and later calls raise; a thread
-  stuck inside oneCCL stays stuck); ``STREAMCOLL_WATCHDOG=off`` starts no
-  watchdog.
+  stuck inside oneCCL stays stuck); ``STREAMCOLL_WATCHDOG=off`` watches
+  nothing (its thread then only runs for CPU communicators, to start what
+  the next item says).
+- Each pass also starts the small CPU async calls queued without waking
+  their comm thread (:mod:`streamcoll.work`, "When a small async call
+  starts") that nothing in the process has touched since: a caller blocked
+  on something else between issuing and waiting (a store, a gloo group)
+  still sees its call go out, within a pass.
 - A communicator whose timeout was already reported to the caller
   (``Work.wait(timeout)`` raised :class:`~streamcoll.CollectiveTimeout`) is
   left to the caller: its later calls raise at once, and the process may end
@@ -198,8 +204,8 @@ class Watchdog:
         self.fired: List[str] = []
 
     def add(self, comm: Any) -> None:
-        if mode() == "off":
-            return
+        if mode() == "off" and comm.is_gpu:
+            return  # off: CPU communicators only, for the start of quietly queued calls (check)
         with self._lock:
             self._comms.add(comm)
             self._start()
@@ -218,7 +224,12 @@ class Watchdog:
             with self._lock:
                 comms = [c for c in self._comms if not c.destroyed]
             try:
-                self.check(comms)
+                if mode() == "off":  # CPU communicators only: start their quietly queued calls, nothing else
+                    for c in comms:
+                        if c.failure is None:
+                            c._rt.nudge()
+                else:
+                    self.check(comms)
             except Exception as e:  # never let the watchdog die silently
                 log.error("streamcoll watchdog: internal error: %r", e)
             self._wake.wait(self._interval(comms))
@@ -234,6 +245,9 @@ class Watchdog:
         for comm in comms:
             if comm.destroyed or comm.failure is not None:
                 continue
+            # small CPU async calls queued without waking the comm thread start
+            # within a pass even if nothing in the process touches them (streamcoll.work)
+            comm._rt.nudge()
             fr = comm.flight
             limit = comm.timeout + GRACE_S
             hung = None

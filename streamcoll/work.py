@@ -11,6 +11,39 @@ cannot hand their memory to someone else while the comm stream still uses
 it. Works nobody waits on (an ``isend`` fire-and-forget, say) are covered by
 the :class:`Reaper`, which holds the tensors until the completion event has
 fired. On the CPU the comm thread itself holds them until the C call returned.
+
+The async contract (torch's): an ``async_op=True`` call returns without
+waiting for its peers; ``wait(timeout)`` bounds the wait (past it,
+:class:`~streamcoll.CollectiveTimeout`); futures complete, and their
+callbacks run, on the callback thread in completion order
+(:mod:`streamcoll.callbacks`), never on the thread issuing collectives.
+
+When a small async call starts (CPU; its largest buffer at most
+``Communicator.inline_async_bytes``, ``STREAMCOLL_INLINE_ASYNC_BYTES``,
+default 65536): it takes its sequence number and its turn in the process
+when issued, like any async call, and is queued on the communicator's comm
+thread *without waking it* (a wake-up and the hand-back cost 50-90 us
+against a ~10-20 us call). It starts at the first of:
+
+- ``wait()`` without a timeout: the caller would block until it completed
+  anyway, so it runs the call itself, on its own thread, if the call is
+  next on its communicator (``CpuRuntime.run_here``); otherwise the comm
+  thread, busy with the work before it, runs it;
+- ``wait(timeout)``, ``synchronize()``, ``is_completed()``,
+  ``is_success()``, ``exception()``, ``get_future()``, dropping the Work
+  unwaited: the comm thread is woken (a waiter with a timeout must be able
+  to stop waiting, a callback must not run on the caller's thread);
+- any later call on the same communicator (it is queued behind, and its
+  queueing wakes the comm thread), any call anywhere in the process that
+  waits for its turn behind it (``Turnstile.wait`` wakes it), destroy;
+- the next watchdog pass (every ``min(0.5 s, timeout / 10)``; with
+  ``STREAMCOLL_WATCHDOG=off`` too): a caller blocked on something else
+  between issue and wait (a store handshake, a gloo group) still sees it go
+  out, up to a pass later.
+
+So a small async call never blocks its caller on its peers, and completes in
+issue order with everything else; ``inline_async_bytes = 0`` queues every
+async call with a wake-up (no run on the caller's thread, no delay).
 """
 from __future__ import annotations
 
@@ -23,7 +56,6 @@ import torch
 from . import helper_threads
 from .callbacks import Future
 from .errors import CollectiveTimeout, CommunicatorError
-from .streams import CpuEvent
 from .timeouts import seconds as _seconds  # the one check of timeout arguments
 
 
@@ -114,10 +146,10 @@ class Work:
 
     __slots__ = (
         "_comm", "_rt", "_lane", "_event", "_outputs", "_stash", "_future",
-        "_waited", "seq", "op", "__weakref__",
+        "_waited", "_here", "seq", "op", "__weakref__",
     )
 
-    def __init__(self, comm, rt, lane, event, seq: int, op: str, outputs, stash) -> None:
+    def __init__(self, comm, rt, lane, event, seq: int, op: str, outputs, stash, here: bool = False) -> None:
         self._comm = comm
         self._rt = rt
         self._lane = lane
@@ -126,6 +158,7 @@ class Work:
         self._stash = stash  # reaper entry (GPU stash mode) or None
         self._future: Optional[torch.futures.Future] = None
         self._waited = False
+        self._here = here  # small CPU call: wait() without a timeout may run it (CpuRuntime.run_here)
         self.seq = seq
         self.op = op
 
@@ -148,14 +181,20 @@ class Work:
 
     def is_completed(self) -> bool:
         """Whether the collective finished, or failed (never blocks)."""
+        if self._here:
+            self._rt.nudge()
         return self._rt.query(self._event) or (self._comm._failed is not None and self._error() is not None)
 
     def is_success(self) -> bool:
         """Whether the collective completed without an error (never blocks)."""
+        if self._here:
+            self._rt.nudge()
         return self._rt.query(self._event) and self._error() is None
 
     def exception(self) -> Optional[BaseException]:
         """The error the collective ended with, or None."""
+        if self._here:
+            self._rt.nudge()
         return self._error()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
@@ -173,6 +212,11 @@ class Work:
         timeout (or longer) the call is stuck, and the communicator is marked
         failed. A failed collective raises its error (:meth:`exception`).
         Posted p2p ops of other communicators are launched first.
+        A small CPU call not started yet (the module docstring) is run here,
+        on the calling thread, when no ``timeout`` is given: it then blocks as
+        a synchronous call does, and the communicator's timeout is the
+        watchdog's, as for a synchronous call; pass a ``timeout`` for a
+        wait that raises instead.
         Returns True.
         """
         comm = self._comm
@@ -181,6 +225,13 @@ class Work:
             launch_posted(comm)
         if comm._failed is not None:
             self._raise_if_failed()
+        if self._here:  # a small CPU call, queued quietly: run it here, or start it
+            if timeout is None and self._rt.run_here(self._event):
+                if self._event.item.exc is not None or comm._failed is not None:
+                    self._raise_if_failed()
+                self._waited = True  # _release(): a CPU Work stashes nothing
+                return True
+            self._rt.nudge()
         if not self._rt.wait_current(self._event, t):
             raise self._timeout(t)
         self._raise_if_failed()
@@ -195,6 +246,8 @@ class Work:
             launch_posted(comm)
         if comm._failed is not None:
             self._raise_if_failed()
+        if self._here:
+            self._rt.nudge()
         if not self._rt.synchronize(self._event, t):
             raise self._timeout(t)
         self._raise_if_failed()
@@ -238,6 +291,8 @@ class Work:
             if POSTING:
                 launch_posted(self._comm)  # its waiter will block: as wait()
             fut = self._future = Future()
+            if self._here:
+                self._rt.nudge()
             self._comm._complete_future_when_done(self)
         return fut
 
@@ -265,6 +320,8 @@ class Work:
         # with this one's start time). Such an event is freed with its entry.
         try:
             ev = self._event
+            if self._here and not self._waited:
+                self._rt.nudge(False)  # dropped unwaited (fire and forget): its call must still go out
             if ev is not None:
                 self._event = None
                 e = self._comm._flight.at(self.seq)
@@ -277,39 +334,6 @@ class Work:
     def __repr__(self) -> str:
         state = "completed" if self.is_completed() else "pending"
         return f"<streamcoll.Work {self.op} seq={self.seq} {state}>"
-
-
-# The completion event of work that completed before its Work was made
-# (CpuRuntime: an event without an item is done).
-_DONE = CpuEvent()
-
-
-class DoneWork(Work):
-    """The Work of an ``async_op=True`` call that ran inline because it was
-    small (``STREAMCOLL_INLINE_ASYNC_BYTES``): it completed, successfully,
-    before this was returned (a failed call raised instead). Nothing can
-    change that: it keeps no event and no lane, and a later failure of the
-    communicator does not make it report one."""
-
-    __slots__ = ()
-
-    def __init__(self, comm, seq: int, op: str, outputs) -> None:
-        self._comm = comm
-        self._rt = comm._rt
-        self._lane = None
-        self._event = _DONE
-        self._outputs = outputs
-        self._stash = None
-        self._future = None
-        self._waited = False
-        self.seq = seq
-        self.op = op
-
-    def _error(self) -> Optional[BaseException]:
-        return None
-
-    def __del__(self) -> None:
-        pass
 
 
 class PostedWork(Work):

@@ -3,7 +3,8 @@ strategy runs, the per-(device, current stream) comm-stream cache, event-pool
 reuse, Work semantics, and the lifetime of tensors whose caller dropped them. Real
 oneCCL ranks; the GPU twin of these checks is tests/test_cuda.py. Scenarios
 about the comm thread run with the small-async inline strategy off
-(``world.on_comm_thread``); ``w_inline_async`` is that strategy's."""
+(``world.on_comm_thread``); ``w_inline_async`` is that strategy's (queued
+quietly, run by ``wait()``)."""
 from __future__ import annotations
 
 import threading
@@ -134,16 +135,21 @@ def w_work_semantics(comm):
 
 
 def w_inline_async(comm):
-    """Issue 25: a small async call runs inline (a completed Work with the
-    right values) unless work is queued on the communicator: then it goes
-    behind it (never overtakes), here behind a large call rank 1 joins 0.5 s
-    late. Returns what rank 0 saw right after issuing both."""
-    from streamcoll.work import DoneWork
+    """Issue 33 (issue 25's inline strategy before): a small async call
+    returns a pending Work at once (queued quietly; here rank 1 joins 0.5 s
+    late) which ``wait()`` runs on the calling thread, with the right values;
+    behind queued work it stays behind it (never overtakes), here behind a
+    large call. Returns what rank 0 saw right after issuing."""
     n, r = comm.size, comm.rank
     exp = float(n * (n + 1) // 2)
     t = torch.full((3,), float(r + 1))
+    comm.barrier()
+    if r == 1:
+        time.sleep(0.5)
+    t0 = time.monotonic()
     w = comm.all_reduce(t, async_op=True)
-    assert type(w) is DoneWork and w.is_completed() and t.tolist() == [exp] * 3, (type(w), t)
+    alone = [time.monotonic() - t0 < 0.25, w._here]
+    assert w.wait() and t.tolist() == [exp] * 3, t
     big = torch.full((comm.inline_async_bytes // 4 + 1,), float(r + 1))
     small = torch.full((2,), float(r + 1))
     comm.barrier()
@@ -153,7 +159,7 @@ def w_inline_async(comm):
     wb = comm.all_reduce(big, async_op=True)
     ws = comm.all_reduce(small, async_op=True, op=streamcoll.ReduceOp.MAX)
     if r == 0:
-        seen = [type(ws) is DoneWork, wb.is_completed(), ws.is_completed()]
+        seen = alone + [wb.is_completed(), ws.is_completed()]
     assert ws.wait() and wb.wait()
     assert small.tolist() == [float(n)] * 2 and bool(torch.all(big == exp)), (small, big[:2])
     return seen
@@ -258,9 +264,10 @@ def test_work_semantics(world2):
     assert res[0] is True, "rank 0's Work was reported completed while its peer had not joined"
 
 
-def test_small_async_calls_run_inline_behind_queued_work(world2):
+def test_small_async_calls_return_at_once_and_stay_behind_queued_work(world2):
     seen = world2.run(w_inline_async, timeout=60)[0]
-    assert seen == [False, False, False], f"the small call overtook queued work (DoneWork, big done, small done): {seen}"
+    assert seen == [True, True, False, False], \
+        f"(returned before the late peer, small, big done, small done): {seen}"
 
 
 def test_async_results_survive_dropped_tensors(world):

@@ -290,8 +290,9 @@ class World:
 
 @contextlib.contextmanager
 def comm_thread(comm: Any) -> Iterator[Any]:
-    """``comm`` with every async call on its comm thread (none inline,
-    ``Communicator.inline_async_bytes`` 0) for the ``with`` body: for
+    """``comm`` with every async call on its comm thread at once (none
+    queued quietly for ``wait()`` to run, ``Communicator.inline_async_bytes``
+    0) for the ``with`` body: for
     scenarios whose subject is queued work (a late or dead peer, pending
     Works), whatever their tensors' size."""
     old = comm.inline_async_bytes
