@@ -12,7 +12,10 @@ its package: streamcoll's ``__init__`` imports everything), it imports only
 registers the name with a creator that imports streamcoll at the first
 ``init_process_group("streamcoll")``, and never raises: a failure is logged
 at debug level and the name is left unregistered (streamcoll registers it
-itself when imported).
+itself when imported). What it cannot guard is its own absence: where the
+install's metadata names it but it cannot be imported (an editable install
+whose checkout moved or was deleted), ``import torch`` fails; the README
+("A stale install") says how to get out.
 """
 from __future__ import annotations
 

@@ -8,9 +8,16 @@
 #   - the oneCCL CPU runtime in $STREAMCOLL_HOME/oneccl (default
 #     ~/.cache/streamcoll/oneccl), by `python -m streamcoll install-runtime`
 #     (streamcoll/install.py: the one implementation, which users run too)
-#   - streamcoll itself, editable, so spawned ranks and torchrun import it
-#     (with setuptools >= 70.1 or `wheel`: older setuptools cannot build an
-#     editable install without `wheel`, and a fresh venv has neither).
+#   - streamcoll itself, editable, so spawned ranks and torchrun import this
+#     checkout as it is edited (with setuptools >= 70.1 or `wheel`: older
+#     setuptools cannot build an editable install without `wheel`, and a
+#     fresh venv has neither). This is the test set-up, not a user's install:
+#     an editable install points into the checkout, and once the checkout is
+#     moved or deleted every `import torch` in this environment fails ("Failed
+#     to load the backend extension: streamcoll": the torch.backends entry
+#     point's module is gone; way out: TORCH_DEVICE_BACKEND_AUTOLOAD=0, then
+#     `pip uninstall streamcoll`). Users install the wheel or `pip install .`
+#     (README, "Install as a user").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -86,7 +93,7 @@ here="$(pwd)"
 # Re-installed also where the install predates setup.cfg's torch.backends entry
 # point (it lives in the install's metadata, not in the checkout).
 if ! (cd / && "$PY" -c "import streamcoll, os, sys; from importlib.metadata import entry_points; sys.exit(0 if os.path.samefile(os.path.dirname(streamcoll.__file__), sys.argv[1]) and any(e.name == 'streamcoll' for e in entry_points(group='torch.backends')) else 1)" "$here/streamcoll") 2>/dev/null; then
-  say "pip install -e . (streamcoll)"
+  say "pip install -e . (streamcoll, editable: this checkout's test set-up; moving or deleting the checkout breaks \`import torch\` here until \`pip uninstall streamcoll\`)"
   "$PY" -m pip install -q --no-deps --no-build-isolation -e .
 fi
 say "ready: oneCCL runtime $RT, python $("$PY" -c 'import sys; print(sys.version.split()[0])')"

@@ -290,6 +290,15 @@ def _round_key(k: int) -> str:
     return f"topology/{k}"
 
 
+def _conflict(store: Any) -> str:
+    """What a process that found its slot of this namespace taken left
+    there (:func:`_claim`), for a timeout's message; else ""."""
+    try:
+        return f". Meanwhile: {store.get('conflict').decode()}" if store.check(["conflict"]) else ""
+    except Exception:
+        return ""
+
+
 def _store_failed(e: BaseException) -> bool:
     """A store call that failed for another reason than its own timeout."""
     return "timeout" not in str(e).lower() and "timed out" not in str(e).lower()
@@ -376,12 +385,13 @@ class _Lead:
         self.error: Optional[RendezvousError] = None
         self.start = time.monotonic()
 
-    def _error(self, missing: List[int], waited: float, err: str = "") -> RendezvousError:
+    def _error(self, missing: List[int], waited: float, err: str = "", store: Any = None) -> RendezvousError:
         addr, port = _reported_address() if "MASTER_PORT" in os.environ else ("", -1)
         where = f" at {addr}:{port}" if addr else ""
         env_ws = os.environ.get("WORLD_SIZE")
         detail = (f"the store stopped answering ({err})" if err else
-                  f"{_ranks_text(missing)} never joined within {self.timeout:g} s")
+                  f"{_ranks_text(missing)} never joined within {self.timeout:g} s"
+                  f"{_conflict(store) if store is not None else ''}")
         return RendezvousError(
             f"rendezvous of communicator {self.cname!r} failed on rank 0: {detail} (store{where}; world size "
             f"{self.world_size}, WORLD_SIZE={env_ws}). Start every rank with the same MASTER_ADDR/MASTER_PORT and "
@@ -403,7 +413,7 @@ class _Lead:
                 return
             waited = time.monotonic() - self.start
             if waited >= self.timeout:
-                self.error = self._error(missing, waited)
+                self.error = self._error(missing, waited, store=side)
                 try:
                     self.rounds.publish(side, {"error": _published_error(self.error)}, final=True)
                     for k in (topology.exchange_key(r) for r in missing):
@@ -445,7 +455,7 @@ class _Lead:
                 missing = [] if err else _missing(self.store, self.keys, self.ranks)
             except (RuntimeError, OSError) as e:
                 missing, err = [], _first_lines(e)
-            error = self._error(missing, waited, err)
+            error = self._error(missing, waited, err, store=None if err else self.store)
             if not err:
                 with contextlib.suppress(RuntimeError, OSError):
                     self.rounds.publish(self.store, {"error": _published_error(error)}, final=True)
@@ -478,7 +488,7 @@ def _follow(store: Any, rank: int, world_size: int, timeout: float, cname: str) 
                           f"joined within {timeout:g} s")
             else:
                 detail = (f"rank 0 published nothing within {timeout:g} s: it never reached the rendezvous, or "
-                          "died (look at rank 0's output)")
+                          f"died (look at rank 0's output){_conflict(store)}")
             missing = list(topology.parse_runs(said)) if said and not failed else [0]
             raise RendezvousError(
                 f"rendezvous of communicator {cname!r} failed on rank {rank}: {detail} (store{where}; world size "
@@ -501,14 +511,28 @@ def rendezvous(store: Any, rank: int, world_size: int, *, timeout: Union[float, 
                make_uid: Optional[Callable[[topology.Topology, str], bytes]] = None,
                name: Optional[str] = None, known: Optional[topology.Topology] = None) -> Meeting:
     """The store part of creating a communicator (collective), in a constant
-    number of store requests per rank: 4 here, whatever ``world_size``
+    number of store requests per rank: 4 here (5 on rank 0), whatever ``world_size``
     (``new_communicator`` adds two keys around the native init).
 
-    1. Every rank adds 1 to ``streamcoll/<name>/made``: the k-th communicator
-       of that name gets the namespace ``streamcoll/<name>/k/`` (numbered
-       through the store, not by a process's own count, which differs
-       between ranks whose processes made different communicators before).
-    2. Every rank but 0 sets its facts (``facts``, default measured here).
+    1. Every rank adds 1 to ``streamcoll/<name>/<world_size>/made``: the
+       k-th communicator of that name and size gets the namespace
+       ``streamcoll/<name>/<world_size>/k/`` (numbered through the store, not
+       by a process's own count, which differs between ranks whose processes
+       made different communicators before; keyed by the size, so that one
+       rank's communicators of another size, a 1-rank one on the shared
+       store, shift no one's count). Under srun the job and step lead the
+       name (:func:`launchers.job_scope`): a job whose port collides with
+       another's never joins its rendezvous. Communicators of one name and
+       size on one store are made one after another by their members:
+       groups made at the same time need their own ``name`` (or store), and
+       a sub-world communicator (``1 < world_size < WORLD_SIZE``) without a
+       name is refused (a ValueError naming ``name``).
+    2. Every rank takes its slot with its facts (``facts``, default measured
+       here) in one ``compare_set``: a rank whose slot another process holds
+       (two processes claiming one rank of one namespace: groups that share
+       a name, or an earlier creation not every rank joined) raises a
+       RendezvousError saying so at once, and leaves the reason for the
+       others' timeout messages.
     3. Rank 0 waits for all of them in the server (one ``wait``), reads
        them (one ``multi_get``), runs :func:`topology.compute` once, calls
        ``make_uid(its topology, the communicator's name)`` (default: the
@@ -526,14 +550,16 @@ def rendezvous(store: Any, rank: int, world_size: int, *, timeout: Union[float, 
     """
     import torch.distributed as dist
     t = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    _check_name(name, world_size)
+    base = f"streamcoll/{launchers.job_scope()}{name or 'comm'}/{world_size}"
     with _LOCK:
-        n = (int(store.add(f"streamcoll/{name or 'comm'}/made", 1)) - 1) // world_size + 1
-    prefix = f"streamcoll/{name or 'comm'}/{n}/"
+        n = (int(store.add(f"{base}/made", 1)) - 1) // world_size + 1
+    prefix = f"{base}/{n}/"
     pstore = dist.PrefixStore(prefix, store)
     cname = name or ("default" if n == 1 else f"comm{n}")
     me = facts if facts is not None else topology.local_facts(rank, store)
+    _claim(pstore, rank, world_size, me, cname, prefix)
     if rank != 0:
-        pstore.set(topology.exchange_key(rank), me.to_json())
         body = _follow(pstore, rank, world_size, t, cname)
         return Meeting(topology.Topology(body["layout"], rank, me), body["uid"], pstore, cname)
     rounds = _Rounds()
@@ -565,6 +591,42 @@ def rendezvous(store: Any, rank: int, world_size: int, *, timeout: Union[float, 
     if world_size > 1:
         rounds.publish(pstore, {"topology": topology.to_plain(topo.layout), "uid": uid.hex()}, final=True)
     return Meeting(topo, uid, pstore, cname)
+
+
+def _check_name(name: Optional[str], world_size: int) -> None:
+    """A communicator over some of the launcher's ranks needs a name: with
+    the default one, two groups made at once on one store take ranks from
+    each other in the order they reach it (process 0 with process 3)."""
+    job = _world_size()
+    if name is None and 1 < world_size and job is not None and world_size < job:
+        raise ValueError(
+            f"name: a communicator over {world_size} of the job's {job} ranks needs a name that its members "
+            f"pass and no other group making one on this store uses (e.g. name=f'pair{{RANK // {world_size}}}'), "
+            "or a store of its own (torch.distributed.PrefixStore): with the default name, groups made at the "
+            "same time would meet each other's ranks")
+
+
+def _claim(pstore: Any, rank: int, world_size: int, me: topology.RankFacts, cname: str, prefix: str) -> None:
+    """Take ``rank``'s slot of the namespace with this rank's facts (one
+    ``compare_set``); another process's facts there: a RendezvousError."""
+    mine = me.to_json()
+    got = bytes(pstore.compare_set(topology.exchange_key(rank), "", mine))
+    if got == mine.encode():
+        return
+    try:
+        o = topology.RankFacts.from_json(got)
+        who = f"pid {o.pid} on {o.hostname}"
+    except Exception:
+        who = "another process"
+    addr, port = _reported_address() if "MASTER_PORT" in os.environ else ("", -1)
+    msg = (f"rendezvous of communicator {cname!r} failed on rank {rank}: rank {rank} of this {world_size}-rank "
+           f"communicator's store namespace {prefix!r} is held by {who} (this is pid {me.pid} on {me.hostname}). "
+           "The ranks disagree on which communicator this is: groups making communicators of one name and size "
+           "on one store at the same time (give each its own name=), or an earlier creation not every rank "
+           "joined (use a new name or store)")
+    with contextlib.suppress(RuntimeError, OSError):
+        pstore.set("conflict", msg)  # for the timeout messages of the ranks that wait in this namespace
+    raise RendezvousError(msg, [], addr, port, world_size, os.environ.get("WORLD_SIZE"))
 
 
 def _default_uid(topo: topology.Topology, cname: str) -> bytes:

@@ -42,6 +42,7 @@ store is made), so a bad one that is not needed breaks nothing.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -52,7 +53,7 @@ from typing import Any, Dict, Mapping, MutableMapping, NamedTuple, Optional, Tup
 from .errors import RendezvousError
 
 __all__ = ["Launcher", "Launch", "TABLE", "detect", "adopt", "current", "first_host", "tasks_on_node",
-           "slurm_port", "DEFAULT_PORT"]
+           "slurm_port", "SLURM_PORTS", "job_scope", "DEFAULT_PORT"]
 
 log = logging.getLogger("streamcoll.launchers")
 
@@ -190,11 +191,41 @@ def first_host(nodelist: str) -> Optional[str]:
     return host or None
 
 
+SLURM_PORTS = (15000, 32000)
+"""The range of :func:`slurm_port`: below Linux's ephemeral range
+(32768-60999), so that no client socket holds a port of it."""
+
+
 def slurm_port(job_id: int, step_id: int) -> int:
-    """The rendezvous port of a SLURM step: in [15000, 32000), below Linux's
-    ephemeral range (32768-60999) so that no client socket holds it; the same
-    on every task of the step, different for the steps of one job."""
-    return 15000 + (job_id * 64 + step_id) % 17000
+    """The rendezvous port of a SLURM step, the same on every task of the
+    step: a hash of the job id over the whole of :data:`SLURM_PORTS`, plus
+    the step id (modulo the range), so the steps of one job (which may run
+    at once on one first host) never share a port, and two jobs' steps do by
+    chance only (1 in 17000). Before, ``job * 64 + step`` modulo the range
+    reached only 2125 ports for step 0 (gcd(64, 17000) = 8) and gave job J
+    step 64 job J+1 step 0's port. Where two steps do share one, the store
+    keys of each carry its job and step (:func:`job_scope`): the second
+    never joins the first's rendezvous (its rank 0 cannot bind, and says
+    so; its other ranks wait for it). ``MASTER_PORT`` wins over this."""
+    lo, hi = SLURM_PORTS
+    h = int.from_bytes(hashlib.blake2b(str(job_id).encode(), digest_size=8).digest(), "big")
+    return lo + (h + step_id) % (hi - lo)
+
+
+def job_scope(environ: Optional[Mapping[str, str]] = None) -> str:
+    """``slurm<job>.<step>/`` where this process's world is a SLURM step's
+    (the launcher :func:`adopt` took up, else the one :func:`detect` sees):
+    the start of every rendezvous namespace in the store
+    (:func:`streamcoll.bootstrap.rendezvous`), so that ranks of another job
+    or step that reach this store (a port that collides, a MASTER_PORT
+    copied between jobs) never take or bump this step's keys; else ""."""
+    env = os.environ if environ is None else environ
+    la = _ADOPTED if environ is None and _ADOPTED is not None else detect(env)
+    if la is None or la.launcher != "slurm":
+        return ""
+    job = next((env[v].strip() for v in ("SLURM_JOB_ID", "SLURM_JOBID") if env.get(v, "").strip()), "")
+    step = env.get("SLURM_STEP_ID", "").strip()
+    return f"slurm{job}.{step}/".replace(":", "_") if job else ""
 
 
 def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[Launch]:

@@ -58,8 +58,19 @@ Two jobs here:
   the ranks of this job, not other jobs' containers), while the kernel's
   open count covers every process. The pid only explains the log line (not
   running here, or running here since after the region was made: reused).
-  The lease is held while unlinking, so a concurrent sweeper (another rank)
-  gets ``EWOULDBLOCK`` and waits for the name to go. Regions a live peer
+  The lease is held while unlinking. Sweepers take turns: each sweep holds
+  an exclusive ``flock`` on the directory it sweeps (bounded wait), because
+  an ``O_NONBLOCK`` open of a leased file does not just fail with
+  ``EWOULDBLOCK``: it breaks the lease first (``__break_lease`` notifies the
+  holder before it checks ``O_NONBLOCK``), and the holder gets SIGIO, whose
+  default action ends the process (two ranks restarting after a crash, each
+  sweeping before its first init: one killed in most rounds). The lock is
+  the directory itself (no file left behind; it covers every PID namespace
+  and container that shares the mount). Anything else that opens a region
+  while it is leased (an older streamcoll's sweep, a ``cat``) is covered
+  too: the lease's break notice is ``SIGURG`` (``F_SETSIG``), whose default
+  action is to ignore it; the open then waits (or gets ``EWOULDBLOCK``)
+  until the lease is released, microseconds later. Regions a live peer
   still maps (a survivor of a failed job) stay until it ends; the next
   init removes them. libfabric's short-lived ``<name>_<n>`` files (its mmap
   protocol for messages between processes without cross-memory attach) may
@@ -93,6 +104,8 @@ _NAME = re.compile(r"(\d+):\d+:\d+(?::\d+)?")   # <pid>:<uid>:<ep_idx> (1.14-2.5
 _LOCK = threading.Lock()
 _PREPARED: List[int] = []   # the pid that registered the exit hook (a forked child registers its own)
 _WAIT_FOR_OTHER_SWEEPER_S = 1.0
+_SWEEP_LOCK_WAIT_S = 10.0   # another process's sweep of the directory: milliseconds per hundred regions
+_BREAK_SIGNAL = signal.SIGURG   # the lease's break notice: ignored by default, where SIGIO's default kills
 
 
 @dataclass(frozen=True)
@@ -162,6 +175,7 @@ def _remove_unused(path: str, uid: int) -> Tuple[Optional[Region], str]:
         if st.st_uid != uid:
             return None, f"owned by uid {st.st_uid}"
         try:
+            fcntl.fcntl(fd, fcntl.F_SETSIG, _BREAK_SIGNAL)  # before the lease: its notice is never SIGIO
             fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
         except OSError as e:
             if e.errno in (errno.EAGAIN, errno.EBUSY):
@@ -188,6 +202,47 @@ def sweep(directory: str = SHM_DIR) -> List[Region]:
     each logged at INFO."""
     try:
         names = os.listdir(directory)
+    except OSError as e:
+        log.debug("no shm sweep: %s: %s", directory, e.strerror)
+        return []
+    if not any(region_pid(name) is not None for name in names):
+        return []
+    try:
+        lock = _lock_directory(directory)
+    except OSError as e:
+        log.debug("no shm sweep: cannot lock %s: %s", directory, e.strerror)
+        return []
+    if lock is None:
+        log.debug("no shm sweep: another process has swept %s for %g s", directory, _SWEEP_LOCK_WAIT_S)
+        return []
+    try:
+        return _sweep_locked(directory)
+    finally:
+        os.close(lock)  # releases the flock
+
+
+def _lock_directory(directory: str) -> Optional[int]:
+    """An fd of ``directory`` holding its exclusive flock, waited for up to
+    ``_SWEEP_LOCK_WAIT_S``; None if another process held it all that time."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    deadline = time.monotonic() + _SWEEP_LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.002)
+        except BaseException:
+            os.close(fd)
+            raise
+
+
+def _sweep_locked(directory: str) -> List[Region]:
+    try:
+        names = os.listdir(directory)  # again, under the lock: a sweep before ours removed some
     except OSError as e:
         log.debug("no shm sweep: %s: %s", directory, e.strerror)
         return []

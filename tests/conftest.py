@@ -5,6 +5,11 @@ skip with the reason where a library does not load); multi-process tests
 (``world2``/``world3``/``world`` fixtures: real oneCCL across spawned ranks,
 kept per session and replaced after a failure); GPU tests (``cuda`` marker,
 skipped without a CUDA device).
+
+No sweep of ``/dev/shm`` here: the regions SIGKILLed ranks leave are the
+library's to remove (:mod:`streamcoll.shm_regions`: every process sweeps
+before its first init, by the kernel's open count); a sweep by pid would
+remove a live region of another PID namespace.
 """
 from __future__ import annotations
 
@@ -19,27 +24,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 # rank gets what torchrun would give it (world.TORCHRUN_ENV, world.rank_env);
 # a test about a variable sets it itself (monkeypatch, or a child's env).
 from world import World  # noqa: E402
-
-
-def _sweep_stale_shm() -> None:
-    """Remove libfabric shm regions (``/dev/shm/<pid>:<n>:<n>``) of processes
-    that no longer exist. Tests SIGKILL ranks on purpose; their regions stay,
-    and a later process that gets the same pid fails ``fi_enable`` in oneCCL's
-    init (seen here: "failed to initialize ATL")."""
-    try:
-        names = os.listdir("/dev/shm")
-    except OSError:
-        return
-    for n in names:
-        pid = n.split(":", 1)[0]
-        if ":" in n and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            try:
-                os.unlink(os.path.join("/dev/shm", n))
-            except OSError:
-                pass
-
-
-_sweep_stale_shm()
 
 
 @pytest.fixture(autouse=True)
@@ -113,7 +97,6 @@ def get_world(size: int, **kwargs) -> World:
     if w is None or not w.alive or not w.conns:
         if not _ONECCL_OK:
             pytest.skip(f"oneCCL not loadable: {_ONECCL_WHY}")
-        _sweep_stale_shm()
         w = _WORLDS[key] = World(size, **kwargs)
     return w
 

@@ -1,7 +1,8 @@
 """The ``torch.backends`` entry point (streamcoll_autoload.py, setup.cfg):
 ``backend="streamcoll"`` is known in a process that never imports
 streamcoll; registering imports nothing of streamcoll and loads no native
-library; a broken streamcoll install still lets ``import torch`` succeed.
+library; a broken streamcoll package still lets ``import torch`` succeed (a
+missing entry-point module does not: the stale install the README describes).
 
 Entry points live in an install's metadata, so these tests build the wheel
 from a copy of the checkout (as tests/test_packaging.py does), install it
@@ -128,3 +129,26 @@ def test_register_never_raises(monkeypatch):
     monkeypatch.setattr(dist.Backend, "_plugins", {})
     monkeypatch.setattr(dist.Backend, "register_backend", boom)
     streamcoll_autoload.register()  # logged at debug level, not raised
+
+
+def test_a_stale_install_fails_import_torch_and_the_way_out(tmp_path):
+    """What the README says of a stale install (an editable install whose
+    checkout moved or was deleted, a half-removed one): its metadata still
+    names the entry point, whose module is gone, and torch turns that into a
+    failed ``import torch`` for the whole environment; the module cannot
+    guard its own absence. ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` gets torch
+    back. (Mimicked by metadata alone, first on the path, naming a module
+    that does not exist.)"""
+    info = tmp_path / "streamcoll-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: streamcoll\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("[torch.backends]\nstreamcoll = streamcoll_autoload_gone:register\n")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DEVICE_BACKEND_AUTOLOAD"}
+    env["PYTHONPATH"] = str(tmp_path)
+    r = subprocess.run([sys.executable, "-c", "import torch"], cwd="/", env=env, capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode != 0 and "Failed to load the backend extension: streamcoll" in r.stderr, r.stderr[-3000:]
+    assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in r.stderr, r.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-c", "import torch; print('ok')"], cwd="/",
+                       env=dict(env, TORCH_DEVICE_BACKEND_AUTOLOAD="0"), capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

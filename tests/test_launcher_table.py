@@ -84,6 +84,38 @@ def test_slurm_port_is_per_step_and_outside_the_ephemeral_range():
     assert slurm_port(123456, 0) == slurm_port(123456, 0)
 
 
+def test_slurm_ports_of_neighbouring_jobs_do_not_collide_by_construction():
+    """Before (issue 33): ``15000 + (job * 64 + step) % 17000``: job J step
+    64 had job J+1 step 0's port (28064 for job 1000)."""
+    assert slurm_port(1000, 64) != slurm_port(1001, 0)
+    assert sum(slurm_port(j, 64) == slurm_port(j + 1, 0) for j in range(1, 5001)) <= 3  # chance: 1 in 17000
+    # the steps of one job never share a port (they may run at once on one first host)
+    assert all(len({slurm_port(j, s) for s in range(300)}) == 300 for j in (1, 7, 1000, 123456789))
+
+
+def test_slurm_ports_spread_over_the_whole_range():
+    """Step 0 of 20000 consecutive jobs: the distinct ports a uniform hash
+    gives (about 11800; before, 2125: gcd(64, 17000) = 8), every block of
+    1000 ports about as full as the others."""
+    lo, hi = launchers.SLURM_PORTS
+    assert (lo, hi) == (15000, 32000)
+    ports = [slurm_port(j, 0) for j in range(100000, 120000)]
+    assert all(lo <= p < hi for p in ports)
+    assert len(set(ports)) > 11000, len(set(ports))
+    blocks = [0] * ((hi - lo) // 1000)
+    for p in ports:
+        blocks[(p - lo) // 1000] += 1
+    mean = len(ports) / len(blocks)
+    assert all(abs(b - mean) < 0.12 * mean for b in blocks), blocks
+
+
+def test_the_job_scope_names_the_slurm_job_and_step():
+    assert launchers.job_scope(SRUN) == "slurm7.0/"
+    assert launchers.job_scope({**SRUN, "SLURM_STEP_ID": "3"}) == "slurm7.3/"
+    assert launchers.job_scope(HYDRA) == "" and launchers.job_scope({}) == ""
+    assert launchers.job_scope({**SRUN, "TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2"}) == ""
+
+
 @pytest.mark.parametrize("env, var", [
     ({**HYDRA, "PMI_RANK": "one"}, "PMI_RANK"),
     ({**HYDRA, "PMI_SIZE": "2.0"}, "PMI_SIZE"),

@@ -145,7 +145,7 @@ def _init_never_joined() -> None:
     # Rank 1's part of the host exchange that precedes init, so that rank 0
     # reaches the native init call (the store's own waits time out by themselves).
     from streamcoll import topology
-    dist.PrefixStore("streamcoll/comm/1/", store).set(topology.exchange_key(1), topology.local_facts(1).to_json())
+    dist.PrefixStore("streamcoll/comm/2/1/", store).set(topology.exchange_key(1), topology.local_facts(1).to_json())
     _out("rank0.json", {"init_started": time.time()})
     streamcoll.new_communicator(backend="oneccl", device="cpu", rank=0, world_size=2, store=store,
                                 timeout=float(os.environ["RELIABILITY_TIMEOUT"]))
@@ -490,7 +490,7 @@ if __name__ != "__main__":
         store = dist.HashStore()
         from streamcoll import topology
         # a fresh store: the first communicator named "comm" on it has namespace 1 (numbered through the store)
-        dist.PrefixStore("streamcoll/comm/1/", store).set(
+        dist.PrefixStore("streamcoll/comm/2/1/", store).set(
             topology.exchange_key(1), topology.local_facts(1).to_json())
         t0 = time.monotonic()
         with pytest.raises(streamcoll.CollectiveTimeout) as ei:

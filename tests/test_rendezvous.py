@@ -201,8 +201,9 @@ dist.destroy_process_group()
 
 def test_subgroups_derive_their_topology(tmp_path):
     """A process-group subgroup (new_group) made after the world group's
-    communicator derives its topology: its rank 0 reads no facts (5 store
-    requests: the counter, one wait, the layout, init, ready; the member 6);
+    communicator derives its topology: its rank 0 reads no facts (6 store
+    requests: the counter, its slot, one wait, the layout, init, ready; the
+    member 6);
     ``split`` makes no store request and its child has the derived topology.
     Before: a split child had no topology (None), and a subgroup's
     communicator read every member's facts on every member."""
@@ -229,8 +230,8 @@ def test_subgroups_derive_their_topology(tmp_path):
     for rc, o, e in outs:
         assert rc == 0, o + e
         got.append(json.loads([x for x in o.splitlines() if x.startswith("OUT ")][0][4:]))
-    assert [g["world"] for g in got] == [6, 6, 6], got
-    assert got[0]["sub"] == 5 and got[2]["sub"] == 6, got
+    assert [g["world"] for g in got] == [7, 6, 6], got  # rank 0 claims its slot too (issue 33)
+    assert got[0]["sub"] == 6 and got[2]["sub"] == 6, got
     assert got[0]["sub_topology"] == [2, 0, [[0, 1]]] and got[2]["sub_topology"] == [2, 1, [[0, 1]]], got
     assert [g["split"] for g in got] == [0, 0, 0], got
     assert got[0]["split_topology"] == [2, 0, [[0, 1]], 0] and got[2]["split_topology"] == [2, 1, [[0, 1]], 1]

@@ -151,6 +151,27 @@ def _job(scenario: str, size: int, out: str, timeout: float = 60) -> dict:
     return res
 
 
+
+def _sweeper(module: str, d: str, rounds: int) -> None:
+    """One of several sweepers started together: ``shm_regions.py`` loaded by
+    path (no torch, starts in milliseconds), then for each round, as soon as
+    the test writes ``go<k>``, one sweep of ``d``; ``done<k>.<pid>`` lists what
+    it removed."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("shm_regions_under_test", module)
+    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # (dataclasses look it up)
+    spec.loader.exec_module(mod)
+    for k in range(rounds):
+        go = os.path.join(d, f"go{k}")
+        deadline = time.monotonic() + 120
+        while not os.path.exists(go):
+            if time.monotonic() > deadline:
+                sys.exit(2)
+            time.sleep(0.0002)
+        removed = [os.path.basename(r.path) for r in mod.sweep(d)]
+        _write(os.path.join(d, f"done{k}.{os.getpid()}.json"), {"removed": removed})
+
+
 def _sandbox(plan: str, out: str) -> None:
     """PID 1 of the sandbox (private /dev/shm): run ``plan``, write what was seen."""
     res: dict = {}
@@ -312,6 +333,63 @@ if __name__ != "__main__":
         finally:
             shutil.rmtree(d, ignore_errors=True)
 
+    def test_sweepers_started_together_all_survive(tmp_path):
+        """Six processes sweep the same stale regions at once, 12 rounds of
+        500 (the restart after a crashed job: every rank sweeps before its
+        first init). Before, a sweeper's lease was broken by another's
+        ``O_NONBLOCK`` open and the holder died of SIGIO (issue 33: one killed
+        in 10 of 10 rounds of 3000). Now none dies, every stale region goes,
+        each removed by exactly one of them, and the regions a live process
+        maps stay."""
+        module = os.path.join(ROOT, "streamcoll", "shm_regions.py")
+        d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None, prefix="sweeprace-")
+        n, rounds, per_round = 6, 12, 500
+        held = None
+        try:
+            live = [_region_file(d, f"{4100000 + i}:0:0", 0) for i in range(2)]
+            for p in live:
+                with open(p, "wb") as f:
+                    f.write(b"\1" * 4096)
+            held = subprocess.Popen([sys.executable, "-c",
+                                     "import mmap, os, sys, time\n"
+                                     f"ms = [mmap.mmap(os.open(p, os.O_RDWR), 0, mmap.MAP_SHARED) for p in {live!r}]\n"
+                                     "print('ready', flush=True)\ntime.sleep(600)\n"],
+                                    stdout=subprocess.PIPE, text=True)
+            assert held.stdout.readline().strip() == "ready"
+            procs = [subprocess.Popen([sys.executable, __file__, "sweeper", module, d, str(rounds)],
+                                      stderr=subprocess.PIPE, text=True) for _ in range(n)]
+            try:
+                for k in range(rounds):
+                    stale = {f"{4200000 + k * per_round + i}:0:0" for i in range(per_round)}
+                    for name in stale:
+                        open(os.path.join(d, name), "wb").close()
+                    open(os.path.join(d, f"go{k}"), "w").close()
+                    deadline = time.monotonic() + 60
+                    while time.monotonic() < deadline:
+                        done = [f for f in os.listdir(d) if f.startswith(f"done{k}.") and f.endswith(".json")]
+                        dead = [p.returncode for p in procs if p.poll() is not None]
+                        if len(done) == n or dead:
+                            break
+                        time.sleep(0.01)
+                    dead = [p.poll() for p in procs if p.poll() is not None]
+                    assert not dead, (f"round {k}: sweeper(s) ended with {dead} (-{int(signal.SIGIO)}: SIGIO)",
+                                      [p.stderr.read()[-2000:] for p in procs if p.poll() is not None])
+                    removed = [name for f in done for name in _read(os.path.join(d, f))["removed"]]
+                    assert sorted(removed) == sorted(stale), (k, len(removed), len(set(removed)), len(stale))
+                    left = {f for f in os.listdir(d) if ":" in f}
+                    assert left == {os.path.basename(p) for p in live}, (k, sorted(left)[:10])
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                    p.wait()
+                    p.stderr.close()
+        finally:
+            if held is not None:
+                held.kill()
+                held.wait()
+            shutil.rmtree(d, ignore_errors=True)
+
     def test_region_names():
         from streamcoll.shm_regions import region_pid
         assert region_pid("123:0:0") == 123 and region_pid("7:1000:0:1") == 7
@@ -344,3 +422,5 @@ else:
         _launch(sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]))
     elif cmd == "sandbox":
         _sandbox(sys.argv[2], sys.argv[3])
+    elif cmd == "sweeper":
+        _sweeper(sys.argv[2], sys.argv[3], int(sys.argv[4]))
