@@ -172,6 +172,7 @@ from streamcoll.bench.rendezvous import CountingStore
 rank, port = int(os.environ["RANK"]), int(sys.argv[1])
 tcp = dist.TCPStore("127.0.0.1", port, 3, rank == 0, datetime.timedelta(seconds=60), wait_for_workers=False)
 store = CountingStore(tcp)
+os.environ["STREAMCOLL_EAGER_INIT"] = "0"  # the world's communicator at the first collective, counted alone
 dist.init_process_group("streamcoll", store=store, rank=rank, world_size=3, timeout=datetime.timedelta(seconds=60))
 out = {}
 t = torch.ones(2)
