@@ -236,3 +236,85 @@ def test_two_nodes_killed_task_ends_the_others(slurm, tmp_path):
     for node in (0, 1):
         left = slurm.shm(node)
         assert left == [], f"{NODES[node]}'s /dev/shm keeps {left}\n{text[-3000:]}"
+
+
+# ====================================================================== Ray
+RAY_PORT = 6379  # inside the hosts' namespaces: no clash with anything outside
+
+
+@pytest.fixture(scope="module")
+def ray_runs(tmp_path_factory):
+    """One two-node Ray cluster for every Ray case (its start-up is most of
+    the time): the head on node01 runs tests/two_nodes_ray.py once the head
+    is up, node02 joins with ``ray start --address``. Returns
+    {(backend, workers): rows by rank} and the cases' times."""
+    from test_launchers import VENV, _venv_why_not
+    from world import Processes
+    why = _venv_why_not()
+    if why:
+        pytest.skip(why)
+    out = tmp_path_factory.mktemp("ray2")
+    ray = str(VENV / "bin" / "ray")
+    env = netns.clean_env({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_TRAIN_V2_ENABLED": "1",
+                           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1",
+                           "PATH": f"{VENV / 'bin'}:{os.environ['PATH']}"})
+    t0 = time.monotonic()
+    with netns.Hosts(NODES) as hosts:
+        tmp = [f"/tmp/scray{os.getpid()}n{i}" for i in range(2)]  # short: Ray's socket paths live under it
+        common = "--num-cpus=2 --object-store-memory=100000000 --disable-usage-stats"
+        head = (f"{ray} start --head --node-ip-address={hosts.addr(0)} --port={RAY_PORT} --include-dashboard=false "
+                f"{common} --temp-dir={tmp[0]} && touch {out}/head-up && {VENV / 'bin' / 'python'} "
+                f"{ROOT / 'tests' / 'two_nodes_ray.py'} {hosts.addr(0)}:{RAY_PORT} {out}")
+        worker = (f"{ray} start --address={hosts.addr(0)}:{RAY_PORT} --node-ip-address={hosts.addr(1)} {common} "
+                  f"--temp-dir={tmp[1]} --block")
+        run = Processes(str(out))
+        try:
+            run.start(hosts.command(0, ["sh", "-c", head]), env, "head.log")
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline and run.procs[0].poll() is None and not (out / "head-up").exists():
+                time.sleep(0.2)
+            assert (out / "head-up").exists(), f"the Ray head did not start\n{run.text('head.log')[-4000:]}"
+            run.start(hosts.command(1, ["sh", "-c", worker]), env, "worker.log")
+            run.procs[0].wait(540 - (time.monotonic() - t0))
+        finally:
+            run.kill()
+            for d in tmp:
+                subprocess.run(["rm", "-rf", d], timeout=60)
+    info = f"--- head\n{run.text('head.log')[-6000:]}\n--- worker\n{run.text('worker.log')[-3000:]}"
+    assert run.rc(0) == 0, f"the Ray driver failed: exit {run.rc(0)}\n{info}"
+    cases = json.loads((out / "cases.json").read_text())
+    rows = {}
+    for c in cases:
+        rows[(c["backend"], c["workers"])] = [json.loads((Path(c["dir"]) / f"rank{r}.json").read_text())
+                                              for r in range(c["workers"])]
+    print(f"two-node Ray: {time.monotonic() - t0:.0f} s in all; cases "
+          + ", ".join(f"{c['backend']} x{c['workers']} {c['s']} s" for c in cases))
+    return rows
+
+
+def check_ray(rows: dict, n: int) -> None:
+    import torch
+    for backend in ("streamcoll", "gloo"):
+        got = rows[(backend, n)]
+        what = f"Ray Train, {n} workers, {backend}"
+        assert [(r["rank"], r["world"], r["backend"]) for r in got] == [(i, n, backend) for i in range(n)], (what, got)
+        assert all(r["rank_sum"] == n * (n + 1) / 2 and r["broadcast"] == [n - 1.0] * 2 for r in got), (what, got)
+        nodes = {h: sorted(r["local_rank"] for r in got if r["node"] == h) for h in NODES}
+        assert nodes == {h: list(range(n // 2)) for h in NODES}, (what, nodes)
+        assert len({r["rendezvous"] for r in got}) == 1, (what, got)
+    for mine, gloo in zip(rows[("streamcoll", n)], rows[("gloo", n)]):
+        for a, b in zip(mine["params"], gloo["params"]):
+            assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6), (mine, gloo)
+
+
+@pytest.mark.timeout(600)
+def test_two_nodes_ray_train_2_workers_one_per_node(ray_runs):
+    """TorchTrainer, TorchConfig(backend="streamcoll"), 2 workers of 2 CPUs
+    on two nodes of 2: one per node; gloo's parameters."""
+    check_ray(ray_runs, 2)
+
+
+def test_two_nodes_ray_train_4_workers_two_per_node(ray_runs):
+    """4 workers of 1 CPU: two per node, local ranks 0 and 1 on each;
+    gloo's parameters."""
+    check_ray(ray_runs, 4)
