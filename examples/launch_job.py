@@ -36,14 +36,20 @@ backend = parser.parse_args().backend
 if backend == "gloo":
     streamcoll.launchers.adopt()
     dist.init_process_group("gloo")
-    rank, world, all_reduce = dist.get_rank(), dist.get_world_size(), dist.all_reduce
+    rank, world, all_reduce, broadcast = dist.get_rank(), dist.get_world_size(), dist.all_reduce, dist.broadcast
 else:
     streamcoll.init()
-    rank, world, all_reduce = streamcoll.get_rank(), streamcoll.get_world_size(), streamcoll.all_reduce
+    rank, world = streamcoll.get_rank(), streamcoll.get_world_size()
+    all_reduce, broadcast = streamcoll.all_reduce, streamcoll.broadcast
 t = torch.arange(4.0) * (rank + 1)
 all_reduce(t)
+first_s = round(time.time() - started(), 3)
+b = torch.full((2,), float(rank))
+broadcast(b, src=world - 1)
 line = json.dumps({"backend": backend, "rank": rank, "world": world, "values": t.tolist(),
-                   "first_collective_s": round(time.time() - started(), 3)})
+                   "broadcast": b.tolist(), "host": os.uname().nodename, "local_rank": os.environ.get("LOCAL_RANK"),
+                   "rendezvous": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
+                   "first_collective_s": first_s})
 sys.stdout.write(line + "\n")  # one write: the ranks share the launcher's output
 sys.stdout.flush()
 if backend == "gloo":

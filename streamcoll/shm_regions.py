@@ -71,8 +71,9 @@ Two jobs here:
   too: the lease's break notice is ``SIGURG`` (``F_SETSIG``), whose default
   action is to ignore it; the open then waits (or gets ``EWOULDBLOCK``)
   until the lease is released, microseconds later. Regions a live peer
-  still maps (a survivor of a failed job) stay until it ends; the next
-  init removes them. libfabric's short-lived ``<name>_<n>`` files (its mmap
+  still maps (a survivor of a failed job) stay until it ends, which removes
+  those of its peers that have ended (:func:`remove_own`); the next init
+  removes the rest. libfabric's short-lived ``<name>_<n>`` files (its mmap
   protocol for messages between processes without cross-memory attach) may
   be a message in flight that nobody has open: they are never touched.
 
@@ -94,8 +95,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-__all__ = ["SHM_DIR", "Region", "region_pid", "sweep", "remove_own", "own_regions", "before_first_init",
-           "disposition"]
+__all__ = ["SHM_DIR", "Region", "region_pid", "sweep", "remove_own", "own_regions", "dead_peer_regions",
+           "before_first_init", "disposition"]
 
 log = logging.getLogger("streamcoll.shm")
 
@@ -263,9 +264,10 @@ def _sweep_locked(directory: str) -> List[Region]:
 
 
 # ------------------------------------------------------------ own regions
-def own_regions() -> List[Region]:
-    """This process's regions: the ``/dev/shm/<this pid>:...`` files it maps
-    whose paths still name the mapped file (device and inode)."""
+def _mapped_regions(dead_peers: bool) -> List[Region]:
+    """The ``/dev/shm`` region files this process maps whose paths still
+    name the mapped file (device and inode): its own (the pid in the name is
+    its pid), or with ``dead_peers`` those of peers that have ended."""
     pid = os.getpid()
     seen = set()
     out: List[Region] = []
@@ -280,7 +282,8 @@ def own_regions() -> List[Region]:
         if len(parts) < 6 or not parts[5].startswith(prefix) or parts[5].rstrip("\n").endswith("(deleted)"):
             continue
         path = parts[5].rstrip("\n")
-        if region_pid(os.path.basename(path)) != pid or path in seen:
+        owner = region_pid(os.path.basename(path))
+        if owner is None or (owner == pid) == dead_peers or path in seen:
             continue
         seen.add(path)
         try:
@@ -290,15 +293,56 @@ def own_regions() -> List[Region]:
             continue
         if (st.st_ino, os.major(st.st_dev), os.minor(st.st_dev)) != (int(parts[4]), major, minor):
             continue
+        if dead_peers and not _gone(owner, st.st_ctime):
+            continue
         reg = _region(path, st)
         if reg is not None:
             out.append(reg)
     return out
 
 
+def own_regions() -> List[Region]:
+    """This process's regions: the ``/dev/shm/<this pid>:...`` files it maps
+    whose paths still name the mapped file (device and inode)."""
+    return _mapped_regions(dead_peers=False)
+
+
+def _gone(pid: int, made: float) -> bool:
+    """Whether the process that made a region (pid ``pid`` in its name, made
+    at ``made``) has ended: no process of this PID namespace has that pid,
+    it is a zombie, or it started after the region was made (reused)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        state, start_ticks = fields[0], int(fields[19])
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
+    if state in ("Z", "X"):
+        return True
+    made_boot = made - (time.clock_gettime(time.CLOCK_REALTIME) - time.clock_gettime(time.CLOCK_BOOTTIME))
+    return start_ticks / os.sysconf("SC_CLK_TCK") > made_boot
+
+
+def dead_peer_regions() -> List[Region]:
+    """The regions this process maps of peers that have ended (a SIGKILLed
+    rank of the same host): see :func:`remove_own`."""
+    return _mapped_regions(dead_peers=True)
+
+
 def remove_own(when: str = "at exit") -> List[Region]:
     """Unlink this process's regions (the process is ending: ``when`` says
-    how, for the log); returns them. Never raises."""
+    how, for the log), then those it maps of peers that have already ended
+    (a SIGKILLed rank's: once this process is gone no survivor maps it, and
+    nobody would remove it before the next init on the host); returns them.
+    Never raises.
+
+    A peer's end is judged in this process's PID namespace, which is its
+    shm peers' own under streamcoll's settings: oneCCL's shm transport joins
+    the ranks of one hostname, and streamcoll turns it on only where each
+    hostname is one host identity (network, IPC and PID namespace,
+    ``/dev/shm``; :mod:`streamcoll.topology`)."""
     removed: List[Region] = []
     try:
         for reg in own_regions():
@@ -309,6 +353,14 @@ def remove_own(when: str = "at exit") -> List[Region]:
             removed.append(reg)
             log.info("removed this process's libfabric shm region %s %s: %s freed when the process ends",
                      reg.path, when, _mb(reg.resident))
+        for reg in dead_peer_regions():
+            try:
+                os.unlink(reg.path)
+            except OSError:
+                continue
+            removed.append(reg)
+            log.info("removed the libfabric shm region %s of pid %d, a peer that has ended, %s: %s freed when "
+                     "the process ends", reg.path, reg.pid, when, _mb(reg.resident))
     except Exception as e:  # on the way out: never in the way of the exit
         try:
             log.debug("removing this process's shm regions failed: %s", e)

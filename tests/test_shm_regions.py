@@ -91,6 +91,12 @@ def _rank() -> None:
             comm.all_reduce(t)
         while True:
             time.sleep(0.01)
+    elif scenario == "killed":        # every rank SIGKILLed once all reduced: nobody left to remove a region
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+                os.path.exists(os.path.join(out, f"rank{j}.json")) for j in range(size)):
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGKILL)
     elif scenario == "hold":          # a live region until told to go
         while not os.path.exists(os.path.join(out, "release")):
             time.sleep(0.05)
@@ -178,6 +184,8 @@ def _sandbox(plan: str, out: str) -> None:
     if plan == "failed_then_next":
         res["failed"] = _job("failed", 3, os.path.join(out, "failed"), timeout=5)
         res["after_failed"] = _shm()
+        res["killed"] = _job("killed", 3, os.path.join(out, "killed"))
+        res["after_killed"] = _shm()
         res["next"] = _job("clean", 3, os.path.join(out, "next"))
         res["after_next"] = _shm()
     elif plan == "signals":
@@ -238,29 +246,38 @@ if __name__ != "__main__":
     def test_failed_job_leaves_no_region_and_its_recycled_pids_init(tmp_path):
         """A 3-rank job: rank 2 SIGKILLed, rank 0 ended by the watchdog (86),
         rank 1 by Python's exit with a call stuck (3). The survivors' regions
-        are gone when they end; the dead rank's stays (a survivor maps it)
-        until the next job's init, whose ranks have the failed job's pids
-        (a recycled pid: before, oneCCL's init failed with "failed to
-        initialize ATL", fi_enable -EBUSY). After the next job: nothing."""
+        are gone when they end, and so is the dead rank's: a survivor that
+        maps it removes it at its end (issue 36: before, it stayed until the
+        next init on the host). Then a job whose ranks are all SIGKILLed
+        leaves theirs (nobody is left to remove them) until the next job's
+        init, whose ranks have the same pids (a recycled pid: before,
+        oneCCL's init failed with "failed to initialize ATL", fi_enable
+        -EBUSY). After the next job: nothing."""
         res = _run_sandbox("failed_then_next", tmp_path)
-        failed, nxt = res["failed"], res["next"]
-        info = _info(failed) + "\n" + _info(nxt)
+        failed, killed, nxt = res["failed"], res["killed"], res["next"]
+        info = _info(failed) + "\n" + _info(killed) + "\n" + _info(nxt)
         assert failed["rcs"] == [86, 3, -signal.SIGKILL], info
         assert failed["pids"] == [PID_BASE, PID_BASE + 1, PID_BASE + 2], failed["pids"]
         mine = {r: failed["ranks"][r]["regions"] for r in range(3)}
         assert all(len(v) >= 1 for v in mine.values()), mine
-        left = res["after_failed"]
-        assert sorted(left) == sorted(os.path.basename(p) for p in mine[2]), (left, mine, info)
-        # the next job: same pids, inits, reduces, and the dead rank's region is gone
+        assert res["after_failed"] == {}, (res["after_failed"], mine, info)
+        for r in (0, 1):
+            assert f"removed this process's libfabric shm region {mine[r][0]}" in failed["stderr"][r], info
+        by_survivor = "".join(failed["stderr"][:2])
+        for p in mine[2]:
+            assert f"removed the libfabric shm region {p} of pid {PID_BASE + 2}, a peer that has ended" \
+                in by_survivor, info
+        assert killed["rcs"] == [-signal.SIGKILL] * 3 and killed["pids"] == failed["pids"], info
+        theirs = sorted(os.path.basename(p) for r in range(3) for p in killed["ranks"][r]["regions"])
+        assert theirs and sorted(res["after_killed"]) == theirs, (res["after_killed"], theirs, info)
+        # the next job: same pids, inits, reduces, and the killed job's regions are gone
         assert nxt["pids"] == failed["pids"], nxt["pids"]
         assert nxt["rcs"] == [0, 0, 0], info
         assert [r["sum"] for r in nxt["ranks"]] == [3.0, 3.0, 3.0], info
         assert res["after_next"] == {}, res["after_next"]
         logs = "".join(nxt["stderr"])
-        for p in mine[2]:
-            assert f"removed stale libfabric shm region {p}" in logs and "MB freed" in logs, logs
-        for r in (0, 1):
-            assert f"removed this process's libfabric shm region {mine[r][0]}" in failed["stderr"][r], info
+        for name in theirs:
+            assert f"removed stale libfabric shm region /dev/shm/{name}" in logs and "MB freed" in logs, logs
 
     @needs_oneccl
     @pytest.mark.world
