@@ -19,6 +19,21 @@ counts itself under the condition before it reads the turn, and the holder
 writes the turn before it reads the count, so no wake-up is lost under the
 GIL). A ticket whose call will never run (its work ended by a failure, a
 wait interrupted) is cancelled: the turn skips it.
+
+Interrupts (issue 33): an exception raised at any bytecode where CPython
+delivers one (a signal handler's KeyboardInterrupt: after a call returns, at
+a function's entry, at a loop's back edge) must leave no ticket untaken-up
+and no turn held. So a ticket is taken into a list inside one C call
+(``tl += islice(counter, 1)``, never ``t = ticket()``, whose result an
+interrupt can drop between the call and the store), inside the ``try``
+whose ``finally`` passes the turn or cancels the ticket; the turn is passed
+by a store in the holder's own frame (a call into :meth:`leave` can be
+interrupted at its entry); and a waiter re-reads the turn every
+:data:`POLL_S` seconds, so a wake-up lost to an interrupt delays it, never
+blocks it. Left to the standard library: ``threading.Condition.wait``
+itself (an interrupt in its re-acquisition), ``contextlib``'s own frames
+around :meth:`hold` (a generator left at its ``yield`` is closed when
+collected, which passes the turn).
 """
 from __future__ import annotations
 
@@ -26,17 +41,21 @@ import contextlib
 import itertools
 import threading
 import time
-from typing import Iterator, Optional, Set
+from typing import Iterator, List, Optional, Set
 
-__all__ = ["Turnstile"]
+__all__ = ["Turnstile", "POLL_S"]
+
+POLL_S = 0.1  # a waiter re-reads the turn this often (a wake-up lost to an interrupt)
 
 
 class Turnstile:
     """Tickets in issue order; one holder of the turn at a time."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self.ticket = itertools.count().__next__  # the next ticket (atomic under the GIL)
+        self._lock = threading.Lock()  # taken with ``with``: a C-level enter/exit (Condition's are Python)
+        self._cond = threading.Condition(self._lock)
+        self.counter = itertools.count()  # tickets: take one with ``tl += islice(counter, 1)``
+        self.ticket = self.counter.__next__  # the next ticket (atomic under the GIL; see the module's note)
         self.turn = 0  # the ticket whose call may run now
         self.waiting = 0  # threads waiting in wait() (read by the holder that passes the turn)
         self.skipped: Set[int] = set()  # cancelled tickets not reached yet
@@ -47,7 +66,7 @@ class Turnstile:
         (the ticket is then cancelled). An exception while waiting (e.g.
         KeyboardInterrupt) cancels the ticket too."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             self.waiting += 1
             try:
                 self._settle()
@@ -56,7 +75,7 @@ class Turnstile:
                     if left is not None and left <= 0:
                         self._cancel(t)
                         return False
-                    self._cond.wait(left)
+                    self._cond.wait(POLL_S if left is None or left > POLL_S else left)
                     self._settle()
             except BaseException:
                 if self.turn != t:
@@ -76,13 +95,13 @@ class Turnstile:
 
     def wake(self) -> None:
         """After the turn moved: skip cancelled tickets, wake the waiters."""
-        with self._cond:
+        with self._lock:
             self._settle()
             self._cond.notify_all()
 
     def cancel(self, t: int) -> None:
         """Ticket ``t``'s call will not run: its turn is skipped."""
-        with self._cond:
+        with self._lock:
             self._cancel(t)
 
     def _cancel(self, t: int) -> None:
@@ -107,13 +126,22 @@ class Turnstile:
         if self._owner == me:
             yield True
             return
-        t = self.ticket()
-        if self.turn != t and not self.wait(t, timeout):
-            yield False
-            return
-        self._owner = me
+        tl: List[int] = []
         try:
+            tl += itertools.islice(self.counter, 1)
+            if self.turn != tl[0] and not self.wait(tl[0], timeout):
+                yield False  # cancelled by the wait
+                return
+            self._owner = me
             yield True
         finally:
-            self._owner = None
-            self.leave(t)
+            if tl:
+                t = tl[0]
+                if self.turn == t:  # held: pass it here, not through a call that an interrupt could stop at entry
+                    if self._owner == me:
+                        self._owner = None
+                    self.turn = t + 1
+                    if self.waiting or self.skipped:
+                        self.wake()
+                else:  # its turn never came (interrupted before): skip it
+                    self.cancel(t)
