@@ -686,7 +686,7 @@ def new_communicator(
         what = f"init of communicator {cname!r} (rank {rank} of {world_size}, {b.name} on {device})"
         with watchdog.guard(what, t, lambda: _init_report(pstore, topo, advertised)):
             with _native_entry(b.name, settings):
-                handle = b.init_rank(world_size, bytes(uid), rank)
+                handle = b.init_rank(world_size, bytes(uid), rank, what=what)  # named while it waits its turn
     pstore.set(f"ready/{rank}", "1")
     comm = adopt(b, handle, lambda: Communicator(b, device, handle, rank, world_size, t, record_stream, pstore,
                                                  name=cname))  # freed if its construction raises (issue 33)

@@ -663,7 +663,7 @@ class Communicator(CollectiveMethods):
                 # a call inside a failed communicator may hold the turn and never return
                 # (oneCCL cannot abort): do not wait this communicator's whole timeout for it
                 wait = ABORT_LOCK_WAIT_S
-            with self._backend.serial(wait) as turn:
+            with self._backend.serial(wait, f"destroy of communicator {self.name!r}") as turn:
                 if not turn:
                     log.warning("streamcoll: destroy(%s): an earlier oneCCL call of this process has not returned "
                                 "within %.1f s (its calls run one at a time, in issue order); the native "

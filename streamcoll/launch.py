@@ -154,7 +154,7 @@ def _serial(comm: Any) -> Dict[str, str]:
             "enter": ("            _tl += _isl(_cnt, 1)\n"
                       "            _t = _tl[0]\n"
                       "            if _ts.turn != _t:\n"
-                      "                _ts.wait(_t)\n"),
+                      "                _ts.wait(_t, None, e)\n"),  # e: named as waiting, not running
             "leave": ("            if _tl:\n"
                       "                _t = _tl[0]\n"
                       "                if _ts.turn == _t:  # held: pass the turn\n"

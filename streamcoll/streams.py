@@ -293,7 +293,7 @@ class CpuRuntime(Runtime):
             ts = self.turnstile
             try:
                 if ts is not None and ts.turn != item.ticket:
-                    ts.wait(item.ticket)  # behind the calls issued before it, on every communicator
+                    ts.wait(item.ticket, None, item.entry)  # behind the calls issued before it, on every communicator
                 if item.exc is None:  # failed while it waited for its turn: not run
                     item.runner(item.plan, item.entry, self._null)
             except BaseException as e:  # delivered to whoever waits on the item

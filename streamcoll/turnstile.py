@@ -41,7 +41,7 @@ import contextlib
 import itertools
 import threading
 import time
-from typing import Iterator, List, Optional, Set
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set
 
 __all__ = ["Turnstile", "POLL_S"]
 
@@ -60,29 +60,51 @@ class Turnstile:
         self.waiting = 0  # threads waiting in wait() (read by the holder that passes the turn)
         self.skipped: Set[int] = set()  # cancelled tickets not reached yet
         self._owner: Optional[int] = None  # the thread inside hold(): nested holds are the same turn
+        # Who waits, who holds (issue 33, finding 9), kept on the slow paths only: ticket -> what waits
+        # for its turn (a flight entry or a life-cycle call's text); the life-cycle call holding the turn.
+        self.waiters: Dict[int, Any] = {}
+        self.holder: Optional[str] = None
+        # set by streamcoll.watchdog: text naming the call that holds the turn now (a scan of the
+        # communicators; the hot path records nothing)
+        self.describe_holder: Callable[["Turnstile"], str] = lambda ts: self.holder or "an earlier call"
 
-    def wait(self, t: int, timeout: Optional[float] = None) -> bool:
+    def wait(self, t: int, timeout: Optional[float] = None, what: Any = None) -> bool:
         """Block until ticket ``t``'s turn; False after ``timeout`` seconds
         (the ticket is then cancelled). An exception while waiting (e.g.
-        KeyboardInterrupt) cancels the ticket too."""
+        KeyboardInterrupt) cancels the ticket too. ``what``: the waiting
+        call (a flight entry, whose ``behind`` names the holder while it
+        waits, or a text), for the reports (:attr:`waiters`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            self.waiting += 1
-            try:
-                self._settle()
-                while self.turn != t:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        self._cancel(t)
-                        return False
-                    self._cond.wait(POLL_S if left is None or left > POLL_S else left)
+        try:
+            if what is not None:
+                self.waiters[t] = what
+                if hasattr(what, "behind"):
+                    try:
+                        what.behind = self.describe_holder(self)
+                    except Exception:  # a report must not break the call
+                        what.behind = "an earlier call"
+            with self._lock:
+                self.waiting += 1
+                try:
                     self._settle()
-            except BaseException:
-                if self.turn != t:
-                    self._cancel(t)
-                raise
-            finally:
-                self.waiting -= 1
+                    while self.turn != t:
+                        left = None if deadline is None else deadline - time.monotonic()
+                        if left is not None and left <= 0:
+                            self._cancel(t)
+                            return False
+                        self._cond.wait(POLL_S if left is None or left > POLL_S else left)
+                        self._settle()
+                finally:
+                    self.waiting -= 1
+        except BaseException:
+            if self.turn != t:
+                self.cancel(t)
+            raise
+        finally:
+            if what is not None:
+                self.waiters.pop(t, None)
+                if hasattr(what, "behind"):
+                    what.behind = None
         return True
 
     def leave(self, t: int) -> None:
@@ -117,11 +139,13 @@ class Turnstile:
             self.turn += 1
 
     @contextlib.contextmanager
-    def hold(self, timeout: Optional[float] = None) -> Iterator[bool]:
+    def hold(self, timeout: Optional[float] = None, what: Optional[str] = None) -> Iterator[bool]:
         """A ticket now and its turn for the ``with`` body (a life-cycle call
         made on the calling thread: init, split, destroy). Yields False if
         the turn did not come within ``timeout`` (the body must then not
-        call the library). Re-entrant on one thread."""
+        call the library). Re-entrant on one thread. ``what``: the call, as
+        the reports name it while it waits (:attr:`waiters`) or holds
+        (:attr:`holder`)."""
         me = threading.get_ident()
         if self._owner == me:
             yield True
@@ -129,10 +153,11 @@ class Turnstile:
         tl: List[int] = []
         try:
             tl += itertools.islice(self.counter, 1)
-            if self.turn != tl[0] and not self.wait(tl[0], timeout):
+            if self.turn != tl[0] and not self.wait(tl[0], timeout, what):
                 yield False  # cancelled by the wait
                 return
             self._owner = me
+            self.holder = what
             yield True
         finally:
             if tl:
@@ -140,6 +165,7 @@ class Turnstile:
                 if self.turn == t:  # held: pass it here, not through a call that an interrupt could stop at entry
                     if self._owner == me:
                         self._owner = None
+                        self.holder = None
                     self.turn = t + 1
                     if self.waiting or self.skipped:
                         self.wake()
