@@ -31,7 +31,6 @@ on the synchronous call path.
 """
 from __future__ import annotations
 
-import itertools
 import linecache
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -135,8 +134,6 @@ def _namespace(comm: Any) -> Dict[str, Any]:
         ns.update(comm._sync_events.namespace())
     if comm._backend.turnstile is not None:
         ns["_ts"] = comm._backend.turnstile
-        ns["_cnt"] = comm._backend.turnstile.counter
-        ns["_isl"] = itertools.islice
     return ns
 
 
@@ -147,16 +144,14 @@ def _serial(comm: Any) -> Dict[str, str]:
     number; a wait for the turn that raises cancels it (Turnstile.wait)."""
     if comm._backend.turnstile is None:
         return {"ticket": "", "enter": "", "leave": ""}
-    # The ticket lands in _tl inside one C call (list += islice): an
-    # interrupt after any bytecode finds it there or not taken, and the
-    # finally passes the turn or cancels it (issue 33).
-    return {"ticket": "        _tl = []\n",
-            "enter": ("            _tl += _isl(_cnt, 1)\n"
-                      "            _t = _tl[0]\n"
+    # The ticket: read and advance Turnstile.issued in one line with no call
+    # (Turnstile.take says why: no interrupt, no thread switch between them),
+    # inside the try; the finally passes the turn or cancels it (issue 33).
+    return {"ticket": "        _t = -1\n",
+            "enter": ("            _t = _ts.issued; _ts.issued = _t + 1\n"
                       "            if _ts.turn != _t:\n"
                       "                _ts.wait(_t, None, e)\n"),  # e: named as waiting, not running
-            "leave": ("            if _tl:\n"
-                      "                _t = _tl[0]\n"
+            "leave": ("            if _t >= 0:\n"
                       "                if _ts.turn == _t:  # held: pass the turn\n"
                       "                    _ts.turn = _t + 1\n"
                       "                    if _ts.waiting or _ts.skipped:\n"

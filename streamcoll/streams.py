@@ -24,7 +24,6 @@ released.
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -235,8 +234,8 @@ class CpuRuntime(Runtime):
         """Queue ``item`` with its ticket (issue 33). The comm thread is
         started first: if that fails (``Thread.start`` raising) no ticket was
         taken and nothing was queued. The comm thread is woken before the
-        append (it runs once we release the lock). The ticket (into a list,
-        in one C call), the count and the append follow with no point between them
+        append (it runs once we release the lock). The ticket, the count
+        and the append follow with no point between them
         where CPython delivers an interrupt; an exception after the ticket
         and before the append (none can be raised there but by a tracer)
         cancels it."""
@@ -250,18 +249,17 @@ class CpuRuntime(Runtime):
             # after the append could be lost to an interrupt, the item never seen
             self._cond.notify_all()
             n = self._pending  # changed only under _mutex
-            tl: List[int] = []
+            ts = self.turnstile
             try:
-                if self.turnstile is not None:  # under the exec lock too: issue order
-                    tl += itertools.islice(self.turnstile.counter, 1)
-                    item.ticket = tl[0]
+                if ts is not None:  # under the exec lock too: issue order (Turnstile.take)
+                    t = item.ticket = ts.issued; ts.issued = t + 1  # noqa: E702 - one line: see Turnstile.take
                 self._pending = n + 1
                 self._queue.append(item)
             except BaseException:
                 if not (self._queue and self._queue[-1] is item):  # not queued: undo
                     self._pending = n
-                    if tl:
-                        self.turnstile.cancel(tl[0])
+                    if item.ticket >= 0:
+                        ts.cancel(item.ticket)
                 raise
 
     def _spawn(self) -> None:

@@ -11,7 +11,8 @@ trace's ``call`` event, generator resumptions too), after a loop's back edge
 (``JUMP_BACKWARD``) and right after a call returns, before its result is
 stored (the eval-breaker checks at the end of ``CALL``). The last is finer
 than a line: ``t = take_ticket()`` can be interrupted with the ticket taken
-and not stored. Lines that hold no call (the first line of a ``finally``
+and not stored (why streamcoll takes tickets with no call:
+``Turnstile.take``). Lines that hold no call (the first line of a ``finally``
 that passes the turn, say) are no such point: no signal can interrupt them,
 so raising there would test something CPython never does.
 
@@ -103,8 +104,7 @@ class Interrupter:
 
 
 def _next_ticket(ts) -> int:
-    c = ts.ticket.__self__  # the itertools.count behind Turnstile.ticket
-    return int(repr(c)[len("count("):-1])
+    return ts.issued
 
 
 def _consistent(comms: List[Any]) -> Optional[str]:
