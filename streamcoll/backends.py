@@ -145,13 +145,13 @@ class Backend:
         # concurrent calls on different communicators: None.
         self.turnstile: Optional[Turnstile] = Turnstile() if name == "oneccl" else None
 
-    def serial(self, timeout: Optional[float] = None) -> ContextManager[bool]:
+    def serial(self, timeout: Optional[float] = None, what: Optional[str] = None) -> ContextManager[bool]:
         """The context a C call made on the calling thread runs in (life
         cycle: init, split, destroy): its turn where the library needs one
         (oneCCL), else nothing. Yields False if the turn did not come within
         ``timeout``."""
         ts = self.turnstile
-        return ts.hold(timeout) if ts is not None else contextlib.nullcontext(True)
+        return ts.hold(timeout, what) if ts is not None else contextlib.nullcontext(True)
 
     def lib(self):
         return self.binding.lib()
@@ -187,7 +187,7 @@ class Backend:
         return bytes(ffi.buffer(uid))
 
     def init_rank(self, nranks: int, uid: bytes, rank: int, blocking: Optional[bool] = None,
-                  timeout: Optional[float] = None):
+                  timeout: Optional[float] = None, what: Optional[str] = None):
         ffi = self.ffi
         expected = ffi.sizeof(self.uid_type)
         if len(uid) != expected:
@@ -203,7 +203,12 @@ class Backend:
             rc = getattr(lib, fname)(comm, nranks, cid[0], rank, cfg)
         else:
             fname = self.funcs["init_rank"]
-            with self.serial():  # a rendezvous inside the library: a call of another communicator waits
+            # A rendezvous inside the library: a call of another communicator waits. Two
+            # communicators created at once from two threads are ordered here by the process's
+            # issue order; ranks that order them differently hang (issue 33): the rule is that
+            # communicators are created like collectives, in one order on every rank. ``what``
+            # names this init while it waits for the turn (the init guard reports it as such).
+            with self.serial(what=what or f"init of a communicator (rank {rank} of {nranks})"):
                 rc = getattr(lib, fname)(comm, nranks, cid[0], rank)
         if rc and blocking is False and self.name == "nccl" and rc == self.binding.const("ncclInProgress"):
             # Non-blocking init: poll until ready, an error, or the timeout (then aborted).
@@ -241,7 +246,7 @@ class Backend:
         ffi = self.ffi
         new = ffi.new(self.comm_type + " *")
         fname = self.funcs["split"]
-        with self.serial():
+        with self.serial(what=f"split of a communicator (color {color})"):
             rc = getattr(self.lib(), fname)(comm, color, key, new, ffi.NULL)
         if rc and in_progress_ok and self.name == "nccl" and rc == self.binding.const("ncclInProgress"):
             return new[0]

@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 
 from .backends import resolve
-from .communicator import Communicator, _seconds
+from .communicator import Communicator, _seconds, adopt
 from . import env, launchers, shm_regions, topology
 from .env_vars import read_int
 from .errors import BackendUnavailableError, CommunicatorError, RendezvousError, UsageError
@@ -750,9 +750,10 @@ def new_communicator(
         what = f"init of communicator {cname!r} (rank {rank} of {world_size}, {b.name} on {device})"
         with watchdog.guard(what, t, lambda: _init_report(pstore, topo, advertised)):
             with _native_entry(b.name, settings):
-                handle = b.init_rank(world_size, bytes(uid), rank)
+                handle = b.init_rank(world_size, bytes(uid), rank, what=what)  # named while it waits its turn
     pstore.set(f"ready/{rank}", "1")
-    comm = Communicator(b, device, handle, rank, world_size, t, record_stream, pstore, name=cname)
+    comm = adopt(b, handle, lambda: Communicator(b, device, handle, rank, world_size, t, record_stream, pstore,
+                                                 name=cname))  # freed if its construction raises (issue 33)
     comm.topology = topo
     if nonblocking:
         watchdog.make_nonblocking(comm)

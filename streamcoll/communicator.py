@@ -672,7 +672,7 @@ class Communicator(CollectiveMethods):
                 # a call inside a failed communicator may hold the turn and never return
                 # (oneCCL cannot abort): do not wait this communicator's whole timeout for it
                 wait = ABORT_LOCK_WAIT_S
-            with self._backend.serial(wait) as turn:
+            with self._backend.serial(wait, f"destroy of communicator {self.name!r}") as turn:
                 if not turn:
                     log.warning("streamcoll: destroy(%s): an earlier oneCCL call of this process has not returned "
                                 "within %.1f s (its calls run one at a time, in issue order); the native "
@@ -889,15 +889,13 @@ class Communicator(CollectiveMethods):
     def _run_queued_sync(self, name: str, plan: Plan) -> None:
         """A synchronous CPU call made while async work is queued: it goes
         behind that work through the comm thread (issue order), and the
-        caller waits. Called with the exec lock held; releases it."""
+        caller waits. Takes the exec lock (the launcher has released it)."""
         rt = self._rt
-        try:
+        with rt.exec_lock:
             if not self._usable:
                 self._check_usable()
             seq, e = self._new_async_entry(name, plan)
             item = rt.submit(None, self._execute_host, plan, e)  # type: ignore[arg-type]  # CPU: no lane
-        finally:
-            rt.exec_lock.release()
         rt._wait_item(item, None)  # type: ignore[attr-defined]  # only the CPU runtime queues
         if item.exc is not None:
             raise item.exc
@@ -968,9 +966,7 @@ class Communicator(CollectiveMethods):
         lane = self._lanes.get(key)
         if lane is None:
             lane = self._lanes[key] = rt.new_lane(key, current)
-        lock = rt.exec_lock
-        lock.acquire()
-        try:
+        with rt.exec_lock:  # not acquire() then try: an interrupt between them would keep it (issue 33)
             seq, e = self._new_async_entry(name, plan)
             if self._gpu:
                 try:
@@ -986,8 +982,6 @@ class Communicator(CollectiveMethods):
             else:
                 item = rt.submit(lane, self._execute_host, plan, e, here)
                 ev = rt.completion_event(lane, item)
-        finally:
-            lock.release()
         stash = None
         if self._gpu:
             if self.record_stream:
@@ -1118,17 +1112,34 @@ class Communicator(CollectiveMethods):
             from .watchdog import nccl_wait_ready
             nccl_wait_ready(self._backend, newh, self.timeout if timeout is None else timeout, "split",
                             new_rank, len(members))
-        child = Communicator(
+        child = adopt(self._backend, newh, lambda: Communicator(
             self._backend, self._device, newh, new_rank, len(members),
             self.timeout if timeout is None else timeout, self.record_stream, self._store,
             name=f"{self.name}/split{c}",
-        )
+        ))
         if self.topology is not None:  # derived from this one's: no store, no exchange
             child.topology = self.topology.subgroup([r for _, r in members], new_rank)
         if self.nonblocking:
             from .watchdog import make_nonblocking
             make_nonblocking(child)
         return child
+
+
+def adopt(backend: Any, handle: Any, make: Callable[[], "Communicator"]) -> "Communicator":
+    """``make()``, the Communicator that owns native ``handle``; if it
+    raises (a KeyboardInterrupt in its construction, issue 33), the native
+    communicator is freed, not left allocated with nobody to free it (oneCCL
+    has a bounded number of communicator ids)."""
+    try:
+        return make()
+    except BaseException:
+        for c in list(_LIVE):  # registered before it was interrupted: it owns the handle now
+            if getattr(c, "_handle", None) == handle:
+                c._handle = None
+                c._destroyed = True
+        with backend.serial():
+            backend.destroy(handle, finalize=False)
+        raise
 
 
 # split is checked by debug mode like a collective (every rank calls it).

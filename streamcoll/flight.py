@@ -100,7 +100,19 @@ def _entry_json(comm: Any, fr: FlightRecorder, e: Any, now: int, seen: Optional[
     err = fr.errors.get(e.seq) if sync else e.error
     if err:
         d["error"] = err
+    behind = getattr(e, "behind", None)
+    if behind and state in (RUNNING, ENQUEUED):
+        # not inside the library: it waits for the process's turn (issue 33, finding 9)
+        d["waiting_behind"] = behind
     return d
+
+
+def _behind_text(present: Dict[int, dict]) -> str:
+    """"; on rank r it waited for its turn behind X..." for entries that
+    never entered the library (the call to look at is X, not the peers)."""
+    parts = [f"on rank {r} it had not entered the library: it waited for its turn behind {e['waiting_behind']}"
+             for r, e in sorted(present.items()) if e.get("waiting_behind")]
+    return ("; " + "; ".join(parts) + " (look at that call first)") if parts else ""
 
 
 def snapshot(comm: Any, reason: str = "") -> dict:
@@ -285,7 +297,7 @@ def _analyze_group(name: str, dumps: List[dict]) -> List[Finding]:
                 for r in absent)
             msg = (f"communicator {name!r}: first problem at sequence number {ref['seq']} "
                    f"(collective #{k}): {_ranks(absent)} never arrived (last issued: {lasts}); "
-                   f"{_ranks(present)} called {_fmt_call(ref)}, state {'/'.join(states)}")
+                   f"{_ranks(present)} called {_fmt_call(ref)}, state {'/'.join(states)}" + _behind_text(present))
             findings.append(Finding(name, "never_arrived", k, seqs, absent, msg))
             return findings
         if len(present) < 2:
@@ -327,7 +339,8 @@ def _analyze_group(name: str, dumps: List[dict]) -> List[Finding]:
             else:
                 why = "every rank reached it: a rank may have died inside it, or the network failed"
             msg = (f"communicator {name!r}: first problem at sequence number {e['seq']} (collective #{k}): "
-                   f"{_fmt_call(e)} did not complete on {_ranks(stuck)}; {why}")
+                   f"{_fmt_call(e)} did not complete on {_ranks(stuck)}; {why}"
+                   + _behind_text({r: present[r] for r in stuck}))
             findings.append(Finding(name, "stuck", k, {r: x["seq"] for r, x in present.items()},
                                     missing or stuck, msg))
             return findings

@@ -56,34 +56,39 @@ _GENERATED: Dict[str, str] = {}
 # inline now), {p2p} (count it as point to point), {name}, {keep} (the
 # tensors a watchdog message shows), {call} (the C call; returns the result
 # code), {cname}, {post}, {record} (CUDA: the completion event of the call,
-# streamcoll.sync_events), {ret}, {not_ready} (what to do when it may not: the
-# general path queues it behind the async work, releasing the lock; a fast
-# path releases the lock and falls through to the general path), {ticket}/
-# {enter}/{leave} (the call's turn in the process, oneCCL: Backend.turnstile,
-# its ticket taken under the exec lock, in issue order; nothing for NCCL).
+# streamcoll.sync_events), {ret}, {not_ready} (what to do, after the lock,
+# when it may not: the general path queues it behind the async work; a fast
+# path falls through to the general path), {ticket}/{enter}/{leave} (the
+# call's turn in the process, oneCCL: Backend.turnstile, its ticket taken
+# under the exec lock, in issue order; nothing for NCCL).
+#
+# Exception-safe at every bytecode (issue 33: a KeyboardInterrupt from a
+# signal handler, a SIGALRM timeout): the lock is a ``with`` (released by the
+# interpreter whatever is raised after it was taken), and everything after
+# the sequence number, the ticket included, is inside the ``try``, whose
+# ``finally`` passes the turn or cancels the ticket.
 SYNC_TEMPLATE = """\
-_lock.acquire()
-if {ready}:
-    seq = _comm._seq = _comm._seq + 1{p2p}
-    e = _ring[seq & _mask]
-    if not e.sync:  # the ring is pre-filled: an async entry's slot gets a sync entry again
-        e = _ring[seq & _mask] = _Entry()
-    e.seq = seq
-    e.op = {name}
-    e.p2p = _comm._p2p
-    _fr.cur = {keep}
-{ticket}    try:
-{enter}        rc = {call}
-        if rc:
-            _comm._raise_rc({cname}, rc)
-{post}{record}    except BaseException as x:
-        _fr.failed(seq, x)
-        raise
-    finally:
-        _fr.done = seq
-        _fr.cur = None
-{leave}        _lock.release()
-    return {ret}
+with _lock:
+    if {ready}:
+        seq = _comm._seq = _comm._seq + 1{p2p}
+{ticket}        try:
+            e = _ring[seq & _mask]
+            if not e.sync:  # the ring is pre-filled: an async entry's slot gets a sync entry again
+                e = _ring[seq & _mask] = _Entry()
+            e.seq = seq
+            e.op = {name}
+            e.p2p = _comm._p2p
+            _fr.cur = {keep}
+{enter}            rc = {call}
+            if rc:
+                _comm._raise_rc({cname}, rc)
+{post}{record}        except BaseException as x:
+            _fr.failed(seq, x)
+            raise
+        finally:
+{leave}            _fr.done = seq
+            _fr.cur = None
+        return {ret}
 {not_ready}
 """
 
@@ -111,6 +116,12 @@ if ln is not None:
 def _indent(text: str, n: int) -> str:
     pad = " " * n
     return "".join(pad + line if line.strip() else line for line in text.splitlines(True))
+
+
+def _fill(post: str, record: str, **parts: str) -> str:
+    """:data:`SYNC_TEMPLATE` with its parts; {post} and {record} come
+    written for a body at 8 spaces and land inside the try (12)."""
+    return SYNC_TEMPLATE.format(post=_indent(post, 4), record=_indent(record, 4), **parts)
 
 
 _CODE: Dict[str, Any] = {}
@@ -148,7 +159,6 @@ def _namespace(comm: Any) -> Dict[str, Any]:
         ns.update(comm._sync_events.namespace())
     if comm._backend.turnstile is not None:
         ns["_ts"] = comm._backend.turnstile
-        ns["_tk"] = comm._backend.turnstile.ticket
     return ns
 
 
@@ -159,12 +169,20 @@ def _serial(comm: Any) -> Dict[str, str]:
     number; a wait for the turn that raises cancels it (Turnstile.wait)."""
     if comm._backend.turnstile is None:
         return {"ticket": "", "enter": "", "leave": ""}
-    return {"ticket": "    _t = _tk()\n",
-            "enter": "        if _ts.turn != _t:\n            _ts.wait(_t)\n",
-            "leave": ("        if _ts.turn == _t:  # held (a wait that raised cancelled the ticket)\n"
-                      "            _ts.turn = _t + 1\n"
-                      "            if _ts.waiting or _ts.skipped:\n"
-                      "                _ts.wake()\n")}
+    # The ticket: read and advance Turnstile.issued in one line with no call
+    # (Turnstile.take says why: no interrupt, no thread switch between them),
+    # inside the try; the finally passes the turn or cancels it (issue 33).
+    return {"ticket": "        _t = -1\n",
+            "enter": ("            _t = _ts.issued; _ts.issued = _t + 1\n"
+                      "            if _ts.turn != _t:\n"
+                      "                _ts.wait(_t, None, e)\n"),  # e: named as waiting, not running
+            "leave": ("            if _t >= 0:\n"
+                      "                if _ts.turn == _t:  # held: pass the turn\n"
+                      "                    _ts.turn = _t + 1\n"
+                      "                    if _ts.waiting or _ts.skipped:\n"
+                      "                        _ts.wake()\n"
+                      "                else:  # its turn never came to this call (interrupted): skip it\n"
+                      "                    _ts.cancel(_t)\n")}
 
 
 def _record(comm: Any) -> str:
@@ -192,8 +210,8 @@ def build_sync_launcher(comm: Any) -> Callable[[str, Plan, Any], Any]:
         head = ("    hs = _rt.current_key() if stream is None else _rt.stream_handle(stream)\n"
                 "    h = _rt.native(hs)\n")
         post = "        if plan.post is not None:\n            _rt.run_post(plan.post, stream)\n"
-        not_ready = "_lock.release()"
-    body = SYNC_TEMPLATE.format(ready=ready, p2p="\n    if plan.p2p:\n        _comm._p2p += 1", name="name",
+        not_ready = ""
+    body = _fill(ready=ready, p2p="\n        if plan.p2p:\n            _comm._p2p += 1", name="name",
                                 keep="plan.keep", call="plan.fn(*plan.args, h)", cname="plan.cname",
                                 post=post, record="" if cpu else _record(comm), ret="None", not_ready=not_ready,
                                 **_serial(comm))
@@ -385,11 +403,11 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
     # (Communicator._refresh_fast_paths decides), read under the exec lock:
     # a fast path saved before coalescing, a failure or destroy falls through
     # to the general path, which decides what happens instead.
-    body = SYNC_TEMPLATE.format(ready="_comm._fast_ok" if gpu else "_comm._fast_ok and not _rt._pending",
-                                p2p="\n    _comm._p2p += 1" if spec.p2p else "",
+    body = _fill(ready="_comm._fast_ok" if gpu else "_comm._fast_ok and not _rt._pending",
+                                p2p="\n        _comm._p2p += 1" if spec.p2p else "",
                                 name=repr(spec.name), keep=keep, call=call, cname=repr(spec.name), post=post,
                                 record=_record(comm) if gpu else "", ret=ret,
-                                not_ready="_lock.release()", **_serial(comm))
+                                not_ready="", **_serial(comm))
     sig = signature_text(spec)
     argnames = [a.split("=")[0] for a in sig.split(", ") if a != "*"]
     call_general = ", ".join(a if a != "stream" else "stream=stream" for a in argnames)

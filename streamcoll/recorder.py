@@ -61,7 +61,8 @@ class FlightEntry:
     (they are referenced by the comm thread and the watchdog until done).
     """
 
-    __slots__ = ("seq", "op", "p2p", "sync", "t_enq", "refs", "t_start", "t_end", "state", "event", "error")
+    __slots__ = ("seq", "op", "p2p", "sync", "t_enq", "refs", "t_start", "t_end", "state", "event", "error",
+                 "behind")
 
     def __init__(self, seq: int = 0, op: str = "", p2p: int = 0, sync: bool = True, t_enq: int = 0,
                  refs: Any = None, state: str = COMPLETED) -> None:
@@ -76,6 +77,8 @@ class FlightEntry:
         self.state = state
         self.event: Any = None
         self.error: Optional[str] = None
+        # while it waits for its turn in the process (Backend.turnstile): the call it waits behind
+        self.behind: Optional[str] = None
 
     def __repr__(self) -> str:
         return f"<FlightEntry #{self.seq} {self.op} {'sync' if self.sync else 'async'} {self.state}>"

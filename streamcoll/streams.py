@@ -270,20 +270,53 @@ class CpuRuntime(Runtime):
             self._mutex.release()
 
     def _enqueue(self, item: _Item) -> None:
-        with self._cond:
+        """Queue ``item`` with its ticket (issue 33). The comm thread is
+        started first: if that fails (``Thread.start`` raising) no ticket was
+        taken and nothing was queued. The comm thread is woken before the
+        append (it runs once we release the lock). The ticket, the count
+        and the append follow with no point between them
+        where CPython delivers an interrupt; an exception after the ticket
+        and before the append (none can be raised there but by a tracer)
+        cancels it."""
+        with self._mutex:
             if self._closed or self._failed:
                 raise CommunicatorError("the communicator's comm thread has been stopped" if self._closed
                                         else "the communicator failed: its comm thread takes no more work")
-            if self.turnstile is not None:
-                item.ticket = self.turnstile.ticket()  # under the exec lock too: issue order
-            self._queue.append(item)
-            self._pending += 1
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                self._thread.start()
+                self._spawn()
+            # woken now, it takes _mutex after us and finds the item: a notify
+            # after the append could be lost to an interrupt, the item never seen
             self._cond.notify_all()
+            n = self._pending  # changed only under _mutex
+            ts = self.turnstile
+            try:
+                if ts is not None:  # under the exec lock too: issue order (Turnstile.take)
+                    t = item.ticket = ts.issued; ts.issued = t + 1  # noqa: E702 - one line: see Turnstile.take
+                self._pending = n + 1
+                self._queue.append(item)
+            except BaseException:
+                if not (self._queue and self._queue[-1] is item):  # not queued: undo
+                    self._pending = n
+                    if item.ticket >= 0:
+                        ts.cancel(item.ticket)
+                raise
+
+    def _spawn(self) -> None:
+        """Start the comm thread (``_mutex`` held). Raises if the thread
+        cannot start; an interrupt inside ``Thread.start`` may leave a thread
+        started and unrecorded: :meth:`_loop` then records itself, and a
+        second one started meanwhile finds it and ends."""
+        th = threading.Thread(target=self._loop, name=self._name, daemon=True)
+        th.start()
+        self._thread = th
 
     def _loop(self) -> None:
+        me = threading.current_thread()
+        with self._mutex:
+            other = self._thread
+            if other is not None and other is not me and other.is_alive():
+                return  # another comm thread serves (see _spawn)
+            self._thread = me
         q = self._queue
         cond = self._work_cv
         while True:
@@ -309,7 +342,7 @@ class CpuRuntime(Runtime):
         try:
             try:
                 if ts is not None and ts.turn != item.ticket:
-                    ts.wait(item.ticket)  # behind the calls issued before it, on every communicator
+                    ts.wait(item.ticket, None, item.entry)  # behind the calls issued before it, on every communicator
                 if item.exc is None:  # failed while it waited for its turn: not run
                     item.runner(item.plan, item.entry, self._null)
             except BaseException as e:  # delivered to whoever waits on the item

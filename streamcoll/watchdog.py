@@ -293,8 +293,10 @@ class Watchdog:
             f"({comm._backend.name}, {comm._device}) has not completed after {age:.1f} s "
             f"(timeout {comm.timeout:g} s) on rank {comm._rank} of {comm._size}; tensor shapes {shapes}; "
             f"strategy {'sync (inline)' if e.sync else 'async'}.",
-            "  Likely cause: another rank died, hung, or called a different collective (or the same one with "
-            "other shapes) at this point.",
+            (f"  It has not entered {comm._backend.name}: {_waiting_note(e)}; look at that call first "
+             "(the one stuck there)." if getattr(e, "behind", None) else
+             "  Likely cause: another rank died, hung, or called a different collective (or the same one with "
+             "other shapes) at this point."),
             f"  Flight record: {path}",
             f"  Collect every rank's dump and run: python -m streamcoll.flight analyze "
             f"{os.path.dirname(path) if os.path.isabs(path) else flight.default_dir()}",
@@ -340,15 +342,30 @@ class Watchdog:
                 detail = detail()
             except Exception as e:
                 detail = f"(no detail: {type(e).__name__}: {e})"
+        behind = _init_waits_behind(what)
+        rule = ("two communicators created at once from two threads, the ranks ordering them "
+                "differently (each init holds the process's turn for its whole rendezvous): create "
+                "communicators like collectives, in one order on every rank (from one thread, or "
+                "ordered by a lock and the same order everywhere)")
+        queued = _waiting_behind_init(what)
+        if behind:  # not inside the library's rendezvous: the peers are not the question
+            detail = f"it has not entered the library: it waits for its turn behind {behind}"
+            cause = rule
+        elif queued:
+            cause = (f"{'; '.join(queued)} of this process wait(s) for the turn behind it: {rule}; "
+                     "or another rank did not start, died, or uses a different address/port")
+        else:
+            cause = "another rank did not start, died, or uses a different address/port"
         msg = (f"\nstreamcoll watchdog: {what} has not completed after {age:.1f} s (timeout {timeout:g} s)"
                + (f"; {detail}" if detail else "")
-               + ".\n  Likely cause: another rank did not start, died, or uses a different address/port."
+               + f".\n  Likely cause: {cause}."
                + (f"\n  Ending this process now with exit code {EXIT_CODE}." if mode() == "exit" else ""))
         self._announce(msg)
         if mode() == "exit":
             _exit_now()
 
     # -- guards for calls outside a communicator (init) ---------------------
+    # (_init_waits_behind: module level, below)
     @contextlib.contextmanager
     def guard(self, what: str, timeout: float, detail: Any = "") -> Iterator[None]:
         """Watch a blocking native call that is not a collective (init).
@@ -467,6 +484,35 @@ def _running_sync(comm: Any, last: int) -> Any:
     return None
 
 
+def turn_holder(ts: Any) -> str:
+    """The call holding ``ts``'s turn now (issue 33, finding 9), as a
+    report names it: a life-cycle call's text, the comm thread's item whose
+    ticket is the turn, or the synchronous call in flight that is not
+    itself waiting (only one call is inside the library at a time). Read
+    without locks, for a report."""
+    if ts.holder:
+        return ts.holder
+    waiting = {id(w) for w in list(ts.waiters.values())}
+    with WATCHDOG._lock:
+        comms = [c for c in WATCHDOG._comms if not c.destroyed and c._backend.turnstile is ts]
+    for comm in comms:
+        run = getattr(comm._rt, "running", None)
+        if run is not None and run.ticket == ts.turn and run.entry is not None:
+            return f"communicator {comm.name!r} #{run.entry.seq} {run.entry.op} (async, its comm thread)"
+    for comm in comms:
+        e = _running_sync(comm, comm.seq)
+        if e is not None and id(e) not in waiting:
+            return f"communicator {comm.name!r} #{e.seq} {e.op} (synchronous)"
+    return "an earlier call of this process"
+
+
+def _waiting_note(e: Any) -> str:
+    """For a report on call ``e``: that it waits for its turn, behind whom ("" if it does not)."""
+    behind = getattr(e, "behind", None)
+    return (f"waiting for its turn behind {behind}, not inside the library (one call at a time in "
+            f"the process, in issue order)") if behind else ""
+
+
 def running_calls() -> List[str]:
     """One line per native call in flight in this process now (synchronous
     calls, and async work on a CPU comm thread), for messages such as the
@@ -481,13 +527,26 @@ def running_calls() -> List[str]:
         if e is not None:
             rs = fr.running_since
             age = f", running for {(now - rs[1]) / 1e9:.1f} s" if rs is not None and rs[0] == e.seq else ""
+            w = _waiting_note(e)
             out.append(f"{e.op} (sequence number {e.seq}, synchronous) on communicator {comm.name!r} "
-                       f"(rank {comm.rank} of {comm.size}, {comm.backend}{age})")
+                       f"(rank {comm.rank} of {comm.size}, {comm.backend}{age})" + (f": {w}" if w else ""))
+        run = getattr(comm._rt, "running", None)
+        if run is not None and run.entry is not None and getattr(run.entry, "behind", None):
+            out.append(f"{run.entry.op} (sequence number {run.entry.seq}, async, comm thread) on communicator "
+                       f"{comm.name!r} (rank {comm.rank} of {comm.size}, {comm.backend}): "
+                       f"{_waiting_note(run.entry)}")
         inf = fr.inflight
         if inf is not None:
             out.append(f"{inf.op} (sequence number {inf.seq}, async, comm thread) on communicator "
                        f"{comm.name!r} (rank {comm.rank} of {comm.size}, {comm.backend}, running for "
                        f"{(now - (inf.t_start or inf.t_enq)) / 1e9:.1f} s)")
+    from .backends import _BACKENDS
+    for b in list(_BACKENDS.values()):
+        ts = b.turnstile
+        if ts is not None:
+            for w in list(ts.waiters.values()):
+                if isinstance(w, str):  # a life-cycle call (init, split, destroy)
+                    out.append(f"{w}: waiting for its turn behind {turn_holder(ts)}, not inside the library")
     return out
 
 
@@ -516,8 +575,32 @@ WATCHDOG = Watchdog()
 
 def register(comm: Any) -> None:
     """Watch ``comm`` (called by ``Communicator.__init__``)."""
+    ts = comm._backend.turnstile
+    if ts is not None:
+        ts.describe_holder = turn_holder
     WATCHDOG.add(comm)
     WATCHDOG._wake.set()  # a shorter timeout shortens the polling interval at once
+
+
+def _init_waits_behind(what: str) -> str:
+    """The holder of the turn that the guarded call ``what`` waits for, or ""."""
+    from .backends import _BACKENDS
+    for b in list(_BACKENDS.values()):
+        ts = b.turnstile
+        if ts is not None and what in list(ts.waiters.values()):
+            return turn_holder(ts)
+    return ""
+
+
+def _waiting_behind_init(what: str) -> List[str]:
+    """The life-cycle calls waiting for the turn that the guarded call ``what`` holds."""
+    from .backends import _BACKENDS
+    out: List[str] = []
+    for b in list(_BACKENDS.values()):
+        ts = b.turnstile
+        if ts is not None and ts.holder == what:
+            out += [w for w in list(ts.waiters.values()) if isinstance(w, str)]
+    return out
 
 
 def guard(what: str, timeout: float, detail: Any = ""):

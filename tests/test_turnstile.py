@@ -132,3 +132,31 @@ def test_many_threads_never_overlap(threads: int):
         th.join(30)
     assert not any(th.is_alive() for th in ths)
     assert peak[0] == 1 and ts.turn == 300 * threads and ts.waiting == 0
+
+
+def test_a_comm_thread_that_cannot_start_takes_no_ticket(monkeypatch):
+    """Issue 33, finding 11: ``Thread.start`` failing in ``CpuRuntime._enqueue``
+    (no thread can be started) must not leave a queued item's ticket behind:
+    the next call of the process would wait on it for ever."""
+    import torch
+    from streamcoll.streams import CpuRuntime, _Item
+
+    ts = Turnstile()
+    rt = CpuRuntime(torch.device("cpu"), lambda h: None, ts)
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    with pytest.raises(RuntimeError, match="can't start"):
+        rt._enqueue(_Item(lambda plan, e, h: None, None, None))
+    monkeypatch.undo()
+    assert rt._pending == 0 and not rt._queue and rt._thread is None
+    t = ts.ticket()
+    assert ts.turn == t, "a ticket was left behind: every later call waits on it"
+    ts.leave(t)
+    ran = []
+    item = _Item(lambda plan, e, h: ran.append(1), None, None)
+    rt._enqueue(item)  # the thread starts now and runs it in its turn
+    assert rt._wait_item(item, 10) and ran == [1] and ts.turn == item.ticket + 1
+    assert rt.close(10)
