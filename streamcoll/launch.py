@@ -104,12 +104,15 @@ ASYNC_TEMPLATE = """\
 ln = _lanes.get(_ident())
 if ln is not None:
     pl = _Plan(_f, ({args},), None, {keep}, {outs}, {name})
-    with _lock:
+    w = None
+    with _lock:  # the return after it: an interrupt after the Work's call lands inside the block
         if _comm._fast_ok:
             seq = _comm._seq = _comm._seq + 1
             e = _ring[seq & _mask] = _Entry(seq, {name}, _comm._p2p, False, _now(), {refs}, _ENQUEUED)
             it = _submit(ln, _exec, pl, e, True)
-            return _Work(_comm, _rt, ln, _event(ln, it), seq, {name}, {outs}, None, True)
+            w = _Work(_comm, _rt, ln, _event(ln, it), seq, {name}, {outs}, None, True)
+    if w is not None:
+        return w
 """
 
 

@@ -163,7 +163,7 @@ class Runtime:
 class _Item:
     """One queued call on the CPU comm thread: ``runner(plan, entry, handle)``."""
 
-    __slots__ = ("runner", "plan", "entry", "done", "exc", "callbacks", "ticket", "quiet")
+    __slots__ = ("runner", "plan", "entry", "done", "exc", "callbacks", "ticket", "quiet", "started")
 
     def __init__(self, runner, plan, entry, quiet: bool = False) -> None:
         self.quiet = quiet  # queued without waking the comm thread (CpuRuntime.submit)
@@ -172,6 +172,7 @@ class _Item:
         self.plan = plan
         self.entry = entry
         self.done = False
+        self.started = False  # _run took it (its call runs or ran, or it failed): never queued again
         self.exc: Optional[BaseException] = None
         self.callbacks: Optional[list] = None
 
@@ -250,9 +251,7 @@ class CpuRuntime(Runtime):
         if quiet and ts is not None and id(self) not in ts.sleepers:
             # before its ticket: whoever waits for a later turn wakes this comm thread (Turnstile.wait)
             ts.sleepers[id(self)] = self
-        self._enqueue(item)
-        if not quiet:
-            self.nudge()
+        self._enqueue(item)  # wakes the comm thread unless quiet
         return item
 
     def nudge(self, blocking: bool = True) -> None:
@@ -286,7 +285,8 @@ class CpuRuntime(Runtime):
                 self._spawn()
             # woken now, it takes _mutex after us and finds the item: a notify
             # after the append could be lost to an interrupt, the item never seen
-            self._cond.notify_all()
+            if not item.quiet:
+                self._work_cv.notify()
             n = self._pending  # changed only under _mutex
             ts = self.turnstile
             try:
@@ -339,6 +339,7 @@ class CpuRuntime(Runtime):
         :attr:`running` clears, so the next item, on either thread, is
         handed on after them: in completion order."""
         ts = self.turnstile
+        item.started = True
         try:
             try:
                 if ts is not None and ts.turn != item.ticket:
@@ -350,7 +351,9 @@ class CpuRuntime(Runtime):
                     item.exc = e
             finally:
                 if ts is not None and ts.turn == item.ticket:
-                    ts.leave(item.ticket)
+                    ts.turn = item.ticket + 1  # Turnstile.leave inline: an interrupt at a call's entry would keep the turn
+                    if ts.waiting or ts.skipped:
+                        ts.wake()  # (interrupted: waiters re-read the turn every POLL_S)
         finally:
             self._complete(item)
 
@@ -396,20 +399,24 @@ class CpuRuntime(Runtime):
         item = event.item
         if item is None or item.done:
             return False
-        with self._mutex:
-            q = self._queue
-            if self.running is not None or not q or q[0] is not item or item.exc is not None:
-                return False
-            q.popleft()
-            self.running = item
-        try:
+        q = self._queue
+        try:  # from before the pop: an interrupt after it (the lock's exit, popleft's return) is handled
+            with self._mutex:
+                if self.running is not None or not q or q[0] is not item or item.exc is not None:
+                    return False
+                self.running = item  # a store: no point where an interrupt lands before popleft
+                q.popleft()
             self._run(item)
         except BaseException:
-            if not item.done:  # interrupted before it ran: back to the head of the queue, for the comm thread
+            if item.started and not item.done:  # interrupted on _run's way out: complete it here
+                self._complete(item)
+            elif not item.done:  # interrupted before it ran: back to the head of the queue, for the comm thread
                 with self._mutex:
-                    q.appendleft(item)
-                    self.running = None
-                    self._work_cv.notify()
+                    if self.running is item:
+                        if not q or q[0] is not item:
+                            q.appendleft(item)
+                        self.running = None
+                        self._work_cv.notify()
             raise
         return True
 
