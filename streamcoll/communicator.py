@@ -359,6 +359,7 @@ class Communicator(CollectiveMethods):
         self._sync_events = _sync_events_for(self)
         self._launch_sync = build_sync_launcher(self)
         self._fast: Dict[str, Callable[..., Any]] = {}
+        self._sig = _debug.signatures_for(self)  # first-call checks (debug.Signatures), read by the fast paths
         self._build_fast_paths()
         _debug.maybe_install(self)
         from . import watchdog
@@ -1156,6 +1157,11 @@ def _method_source(s: _spec.CollectiveSpec) -> str:
     lines = [f"def {s.name}({sig}):",
              "    if self._pre_hooks:",
              f"        self._pre(_S, {tup}, {a})"]
+    if not s.p2p:  # the first-call check (debug.Signatures), after the planner validated the arguments
+        lines += [f"    _p = _planner(self._cx{', ' if args else ''}{args})",
+                  "    if self._sig is not None:",
+                  f"        self._sig.first(_S, {tup})"]
+        launch = f"self._launch({s.name!r}, _p, {a}, {stream})"
     if s.returns == "src":
         peer = s.params[1].name
         lines += [f"    {launch}", f"    return int({peer})"]

@@ -41,7 +41,11 @@ TABLE: Tuple[EnvVar, ...] = (
     EnvVar("STREAMCOLL_FLIGHT_SIZE", "streamcoll", "1024",
            "entries kept per communicator by the flight recorder"),
     EnvVar("STREAMCOLL_DEBUG_CHECKS", "streamcoll", "0",
-           "`1`: every rank checks, before each collective, that all ranks call the same one"),
+           "`1`: every rank checks, before each collective, that all ranks call the same one "
+           "(also turned on by `TORCH_DISTRIBUTED_DEBUG=DETAIL`)"),
+    EnvVar("STREAMCOLL_SIGNATURE_CHECKS", "streamcoll", "256",
+           "distinct call signatures (collective, element counts, dtypes, reduction, root) each communicator "
+           "of 2 or more ranks checks across ranks the first time it sees one; `0`: none"),
     EnvVar("STREAMCOLL_RECORD_STREAM", "streamcoll", "0",
            "`1`: async tensors are kept with `Tensor.record_stream` instead of held by the Work"),
     EnvVar("STREAMCOLL_NCCL_NONBLOCKING", "streamcoll", "0",

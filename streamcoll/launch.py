@@ -235,9 +235,9 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         ns["_wide"] = {k: cx.dtypes[v] for k, v in cx.widened.items()}
         ns["_sc"] = [torch.empty(0, dtype=torch.float32)]
         ns["_grow"] = _grow_scratch
-        conds.append(f"((d := _dtypes.get({send}.dtype)) is not None or (d := _wide.get({send}.dtype)) is not None)")
+        conds.append(f"((d := _dtypes.get(dt := {send}.dtype)) is not None or (d := _wide.get(dt)) is not None)")
     else:
-        conds.append(f"(d := _dtypes.get({send}.dtype)) is not None")
+        conds.append(f"(d := _dtypes.get(dt := {send}.dtype)) is not None")
     for b in bufs:
         if b != send:
             conds.append(f"{b}.dtype is {send}.dtype")
@@ -285,6 +285,13 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         biggest = each[0] if len(each) == 1 else f"max({', '.join(each)})"
         conds.append(f"(not ia or {biggest} * {send}.element_size() <= _imax)")
     lines = [f"n = m_{cbuf}" + (" // _size" if how == "numel/size" else "")]
+    sig = comm._sig
+    if sig is not None and not spec.p2p:
+        # the first-call check (debug.Signatures): inline set lookup; a frame only for a new key
+        ns.update({"_seen": sig.fast, "_first": sig.first_fast, "_S": spec})
+        fk = ", ".join([f"m_{cbuf}", "dt"] + (["r"] if spec.reduces else []) + ([peer] if peer else []))
+        args = ", ".join(spec.param_names)
+        lines = [f"if (fk := ({fk},)) not in _seen:", f"    _first(fk, _S, ({args},))"] + lines
     post = ""
     if fast_avg:
         lines += ["a = r < 0", "if a:", "    r = _SUMC"]
