@@ -116,6 +116,7 @@ import torch
 
 from . import callbacks as _callbacks
 from . import debug as _debug
+from . import profiling as _profiling
 from . import helper_threads
 from . import recorder as _flight
 from . import spec as _spec
@@ -1176,7 +1177,15 @@ def _method_source(s: _spec.CollectiveSpec) -> str:
                   "    return w"]
     else:
         lines += [f"    return {launch}"]
-    return "\n".join(lines) + "\n"
+    # torch.profiler: a streamcoll:<op> event around the call while a profiler records
+    # (streamcoll.profiling; one attribute read otherwise, no frame)
+    body = "".join("    " + x + "\n" for x in lines[1:])
+    return (f"{lines[0]}\n"
+            f"    _ev = _prof(self, _S, {tup}, {a}) if _ap._is_profiler_enabled else None\n"
+            f"    try:\n{body}"
+            f"    finally:\n"
+            f"        if _ev is not None:\n"
+            f"            _ev.__exit__(None, None, None)\n")
 
 
 def _install_methods() -> None:
@@ -1184,7 +1193,8 @@ def _install_methods() -> None:
         src = _method_source(s)
         filename = f"<streamcoll generated Communicator.{name}>"
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-        ns: Dict[str, Any] = {"_S": s, "_planner": s.planner, "_SUM": _SUM, "_ReduceOp": ReduceOp, "torch": torch}
+        ns: Dict[str, Any] = {"_S": s, "_planner": s.planner, "_SUM": _SUM, "_ReduceOp": ReduceOp, "torch": torch,
+                              "_ap": _profiling._ap, "_prof": _profiling.begin}
         exec(compile(src, filename, "exec"), ns)
         fn = ns[name]
         fn.__doc__ = s.doc

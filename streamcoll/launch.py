@@ -36,6 +36,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+import torch.autograd.profiler as _ap
 
 from .ops import ReduceOp
 from .plans import FLOATS
@@ -117,7 +118,7 @@ def _namespace(comm: Any) -> Dict[str, Any]:
     ns = {
         "_comm": comm, "_fr": fr, "_ring": fr.ring, "_mask": fr.mask, "_lock": comm._rt.exec_lock,
         "_rt": comm._rt, "_Entry": FlightEntry, "_Tensor": torch.Tensor,
-        "_now": time.monotonic_ns,
+        "_now": time.monotonic_ns, "_ap": _ap,
     }
     if comm._sync_events is not None:
         ns.update(comm._sync_events.namespace())
@@ -213,6 +214,7 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
     elif spec.async_mode == "param":
         conds.append("async_op is False")
     conds.append("stream is None")
+    conds.append("not _ap._is_profiler_enabled")  # while a profiler records: the general method's event
     bufs = [p.name for p in spec.buffers]
     for b in bufs:
         conds.append(f"type({b}) is _Tensor")
