@@ -1161,7 +1161,7 @@ def _method_source(s: _spec.CollectiveSpec) -> str:
     if not s.p2p:  # the first-call check (debug.Signatures), after the planner validated the arguments
         lines += [f"    _p = _planner(self._cx{', ' if args else ''}{args})",
                   "    if self._sig is not None:",
-                  f"        self._sig.first(_S, {tup})"]
+                  f"        self._sig.first(_S, {tup}, _p, {a})"]
         launch = f"self._launch({s.name!r}, _p, {a}, {stream})"
     if s.returns == "src":
         peer = s.params[1].name

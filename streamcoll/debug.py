@@ -190,7 +190,7 @@ def _compare(fps: List[dict], size: int) -> Tuple[Optional[str], List[int]]:
 class _Checker:
     """The debug state of one communicator."""
 
-    def __init__(self, comm: Any, prefix: str = "dbg", label: str = "debug check") -> None:
+    def __init__(self, comm: Any, prefix: str = "dbg", label: str = "debug check", delete: bool = True) -> None:
         self.comm = comm
         store = comm._store
         if store is None:
@@ -198,6 +198,7 @@ class _Checker:
         self.store = store
         self.prefix = prefix
         self.label = label
+        self.delete = delete  # delete own key n - 2 (checks run in order; not the deferred first-call ones)
         # A namespace per communicator object: communicators of the same name
         # (two splits of one color, a re-init) must not read each other's keys.
         self.ns = (int(store.add(f"{prefix}/ns/{comm.name}", 1)) - 1) // comm._size
@@ -205,11 +206,15 @@ class _Checker:
         self.handle: Any = None
         self.sig: Optional["Signatures"] = None  # the first-call checks, set aside while this is on
 
-    def check(self, name: str, fp: dict) -> None:
+    def check(self, name: str, fp: dict, n: Optional[int] = None, store: Any = None) -> None:
+        """Check number ``n`` (default: the next one) of ``fp`` across ranks
+        (through ``store``, default the communicator's)."""
         comm = self.comm
-        self.n += 1
-        n, me, size = self.n, comm._rank, comm._size
-        store = self.store
+        if n is None:
+            self.n += 1
+            n = self.n
+        me, size = comm._rank, comm._size
+        store = self.store if store is None else store
         key = f"{self.prefix}/{self.ns}/{{}}/{{}}"
         store.set(key.format(n, me), json.dumps(fp, default=repr))
         keys = [key.format(n, r) for r in range(size)]
@@ -225,7 +230,7 @@ class _Checker:
                 f"(skipped it, died or hung); this rank called {_show(fp)}") from e
         vals = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
         fps = [json.loads(v) for v in vals]
-        if n > 2:
+        if n > 2 and self.delete:
             try:
                 store.delete_key(key.format(n - 2, me))
             except Exception:
@@ -350,6 +355,7 @@ class Signatures:
         self.seen: set = set()   # signatures checked (or past the bound)
         self.fast: set = set()   # fast-path keys whose signature needs no check
         self._checker: Optional[_Checker] = None
+        self._async_store: Any = None  # the deferred checks' store connection (a clone)
         self.checks = 0
 
     def _key(self, name: str, args: tuple) -> Optional[tuple]:
@@ -359,8 +365,14 @@ class Signatures:
         return (name,) + tuple((k, _coarse(k, a.get(k), True)) for k in exact) + \
             tuple((k, _coarse(k, a.get(k), False)) for k in loose)
 
-    def first(self, s: Any, args: tuple) -> None:
-        """Check ``s``'s call with ``args`` across ranks if its signature is new."""
+    def first(self, s: Any, args: tuple, plan: Any = None, async_op: Any = False) -> None:
+        """Check ``s``'s call with ``args`` across ranks if its signature is
+        new. An async call (``plan`` given) is checked where its C call
+        runs, right before it (the comm thread on the CPU): ``async_op=True``
+        still returns before the peers arrive, and a mismatch is the Work's
+        error. Check numbers are taken here, in issue order, so checks that
+        run out of order (a deferred one behind a synchronous one) still
+        meet their peers' same-numbered checks."""
         name = s.name
         if name not in _FIRST:
             return
@@ -374,18 +386,47 @@ class Signatures:
         ch = self._checker
         if ch is None:
             # created at the first check, not with the communicator: creating one costs no store request
-            ch = self._checker = _Checker(self.comm, prefix="sig", label="first-call check")
+            ch = self._checker = _Checker(self.comm, prefix="sig", label="first-call check", delete=False)
         fp: Dict[str, Any] = {"call": name}
         for k, v in key[1:]:
             fp[k] = _shown(v)
         self.checks += 1
-        ch.check(name, fp)
-        self.seen.add(key)
+        ch.n += 1
+        n = ch.n
+        if async_op is True and plan is not None:
+            fn = plan.fn
+            # a connection of its own: the comm thread's wait must not queue behind (or block) a
+            # synchronous check of the calling thread on the same client (measured: they deadlocked)
+            if self._async_store is None:
+                try:
+                    self._async_store = ch.store.clone()
+                except Exception:
+                    self._async_store = ch.store
+            st = self._async_store
 
-    def first_fast(self, fk: tuple, s: Any, args: tuple) -> None:
-        """A fast path's key ``fk`` missed: check the signature, then remember ``fk``."""
+            def checked(*a: Any) -> Any:
+                ch.check(name, fp, n, st)
+                return fn(*a)
+
+            plan.fn = checked
+            self.seen.add(key)
+            return
+        try:
+            ch.check(name, fp, n)
+        finally:
+            self.seen.add(key)  # checked (a mismatch raised on every rank): not again
+
+    def first_fast(self, fk: tuple, s: Any, args: tuple, async_op: bool = False) -> bool:
+        """A fast path's key ``fk`` missed: check the signature (a
+        synchronous call), then remember ``fk``; True: the fast path goes on.
+        False for an async call of a new signature: the fast path hands it
+        to the general method, which checks it right before its C call."""
+        if async_op and s.name in _FIRST and self.comm._usable and len(self.seen) < self.bound \
+                and self._key(s.name, args) not in self.seen:
+            return False
         self.first(s, args)
         self.fast.add(fk)
+        return True
 
 
 def signatures_for(comm: Any) -> Optional[Signatures]:

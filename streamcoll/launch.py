@@ -184,6 +184,12 @@ def _grow_scratch(sc: List[torch.Tensor], n: int) -> torch.Tensor:
     return sc[0]
 
 
+def _general_args(spec: CollectiveSpec) -> str:
+    """The arguments a fast path passes on to the general method."""
+    argnames = [a.split("=")[0] for a in signature_text(spec).split(", ") if a != "*"]
+    return ", ".join(a if a != "stream" else "stream=stream" for a in argnames)
+
+
 def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]) -> Optional[Callable[..., Any]]:
     """The generated synchronous fast path of ``spec`` for ``comm`` (None
     where the device or library has none: XPU, a missing C function)."""
@@ -293,7 +299,11 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         ns.update({"_seen": sig.fast, "_first": sig.first_fast, "_S": spec})
         fk = ", ".join([f"m_{cbuf}", "dt"] + (["r"] if spec.reduces else []) + ([peer] if peer else []))
         args = ", ".join(spec.param_names)
-        lines = [f"if (fk := ({fk},)) not in _seen:", f"    _first(fk, _S, ({args},))"] + lines
+        # False: an async call of a new signature, whose check runs right before its C call (the
+        # general path defers it there): async_op=True never waits here for the peers
+        lines = [f"if (fk := ({fk},)) not in _seen and not _first(fk, _S, ({args},), "
+                 f"{'ia' if inline_async else 'False'}):",
+                 f"    return _general(_comm, {_general_args(spec)})"] + lines
     post = ""
     if fast_avg:
         lines += ["a = r < 0", "if a:", "    r = _SUMC"]
@@ -363,8 +373,7 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
                                 record=_record(comm) if gpu else "", ret=ret,
                                 not_ready="_lock.release()", **_serial(comm))
     sig = signature_text(spec)
-    argnames = [a.split("=")[0] for a in sig.split(", ") if a != "*"]
-    call_general = ", ".join(a if a != "stream" else "stream=stream" for a in argnames)
+    call_general = _general_args(spec)
     src = (f"def {spec.name}({sig}):\n"
            f"    try:\n"
            f"        ok = ({(chr(10) + '              and ').join(conds)})\n"
