@@ -116,6 +116,7 @@ import torch
 
 from . import callbacks as _callbacks
 from . import debug as _debug
+from . import profiling as _profiling
 from . import helper_threads
 from . import recorder as _flight
 from . import spec as _spec
@@ -365,6 +366,7 @@ class Communicator(CollectiveMethods):
         self._sync_events = _sync_events_for(self)
         self._launch_sync = build_sync_launcher(self)
         self._fast: Dict[str, Callable[..., Any]] = {}
+        self._sig = _debug.signatures_for(self)  # first-call checks (debug.Signatures), read by the fast paths
         self._build_fast_paths()
         _debug.maybe_install(self)
         from . import watchdog
@@ -1171,6 +1173,11 @@ def _method_source(s: _spec.CollectiveSpec) -> str:
     lines = [f"def {s.name}({sig}):",
              "    if self._pre_hooks:",
              f"        self._pre(_S, {tup}, {a})"]
+    if not s.p2p:  # the first-call check (debug.Signatures), after the planner validated the arguments
+        lines += [f"    _p = _planner(self._cx{', ' if args else ''}{args})",
+                  "    if self._sig is not None:",
+                  f"        self._sig.first(_S, {tup}, _p, {a})"]
+        launch = f"self._launch({s.name!r}, _p, {a}, {stream})"
     if s.returns == "src":
         peer = s.params[1].name
         lines += [f"    {launch}", f"    return int({peer})"]
@@ -1185,7 +1192,15 @@ def _method_source(s: _spec.CollectiveSpec) -> str:
                   "    return w"]
     else:
         lines += [f"    return {launch}"]
-    return "\n".join(lines) + "\n"
+    # torch.profiler: a streamcoll:<op> event around the call while a profiler records
+    # (streamcoll.profiling; one attribute read otherwise, no frame)
+    body = "".join("    " + x + "\n" for x in lines[1:])
+    return (f"{lines[0]}\n"
+            f"    _ev = _prof(self, _S, {tup}, {a}) if _ap._is_profiler_enabled else None\n"
+            f"    try:\n{body}"
+            f"    finally:\n"
+            f"        if _ev is not None:\n"
+            f"            _ev.__exit__(None, None, None)\n")
 
 
 def _install_methods() -> None:
@@ -1193,7 +1208,8 @@ def _install_methods() -> None:
         src = _method_source(s)
         filename = f"<streamcoll generated Communicator.{name}>"
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-        ns: Dict[str, Any] = {"_S": s, "_planner": s.planner, "_SUM": _SUM, "_ReduceOp": ReduceOp, "torch": torch}
+        ns: Dict[str, Any] = {"_S": s, "_planner": s.planner, "_SUM": _SUM, "_ReduceOp": ReduceOp, "torch": torch,
+                              "_ap": _profiling._ap, "_prof": _profiling.begin}
         exec(compile(src, filename, "exec"), ns)
         fn = ns[name]
         fn.__doc__ = s.doc

@@ -40,7 +40,8 @@ from . import spec
 from .ops import canonical_op
 from .errors import CollectiveTimeout, MismatchError
 
-__all__ = ["enable", "disable", "is_enabled", "maybe_install", "CHECKED"]
+__all__ = ["enable", "disable", "is_enabled", "maybe_install", "CHECKED", "Signatures", "signatures_for",
+           "SIGNATURE_BOUND"]
 
 def _derive() -> Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...], Optional[str]]]:
     """collective -> (arguments compared exactly, by dtype only, count
@@ -59,6 +60,10 @@ _ARGS = _derive()
 CHECKED = tuple(_ARGS)
 
 def _env_on() -> bool:
+    """``STREAMCOLL_DEBUG_CHECKS`` on, or torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+    (what turns on torch's own per-call collective checks)."""
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL":
+        return True
     return os.environ.get("STREAMCOLL_DEBUG_CHECKS", "0").strip().lower() not in ("", "0", "false", "no", "off")
 
 
@@ -185,24 +190,32 @@ def _compare(fps: List[dict], size: int) -> Tuple[Optional[str], List[int]]:
 class _Checker:
     """The debug state of one communicator."""
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Any, prefix: str = "dbg", label: str = "debug check", delete: bool = True) -> None:
         self.comm = comm
         store = comm._store
         if store is None:
             raise ValueError(f"debug checks need the communicator's store; {comm.name!r} has none")
         self.store = store
+        self.prefix = prefix
+        self.label = label
+        self.delete = delete  # delete own key n - 2 (checks run in order; not the deferred first-call ones)
         # A namespace per communicator object: communicators of the same name
         # (two splits of one color, a re-init) must not read each other's keys.
-        self.ns = (int(store.add(f"dbg/ns/{comm.name}", 1)) - 1) // comm._size
+        self.ns = (int(store.add(f"{prefix}/ns/{comm.name}", 1)) - 1) // comm._size
         self.n = 0
         self.handle: Any = None
+        self.sig: Optional["Signatures"] = None  # the first-call checks, set aside while this is on
 
-    def check(self, name: str, fp: dict) -> None:
+    def check(self, name: str, fp: dict, n: Optional[int] = None, store: Any = None) -> None:
+        """Check number ``n`` (default: the next one) of ``fp`` across ranks
+        (through ``store``, default the communicator's)."""
         comm = self.comm
-        self.n += 1
-        n, me, size = self.n, comm._rank, comm._size
-        store = self.store
-        key = f"dbg/{self.ns}/{{}}/{{}}"
+        if n is None:
+            self.n += 1
+            n = self.n
+        me, size = comm._rank, comm._size
+        store = self.store if store is None else store
+        key = f"{self.prefix}/{self.ns}/{{}}/{{}}"
         store.set(key.format(n, me), json.dumps(fp, default=repr))
         keys = [key.format(n, r) for r in range(size)]
         try:
@@ -213,11 +226,11 @@ class _Checker:
                 raise
             raise CollectiveTimeout(
                 name, comm._seq + 1, comm.timeout, [], me, size,
-                f"debug check #{n}: {_ranks(missing)} never reached this collective within the timeout "
+                f"{self.label} #{n}: {_ranks(missing)} never reached this collective within the timeout "
                 f"(skipped it, died or hung); this rank called {_show(fp)}") from e
         vals = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
         fps = [json.loads(v) for v in vals]
-        if n > 2:
+        if n > 2 and self.delete:
             try:
                 store.delete_key(key.format(n - 2, me))
             except Exception:
@@ -225,7 +238,7 @@ class _Checker:
         why, odd = _compare(fps, size)
         if why is not None:
             err = MismatchError(
-                f"debug check #{n} on communicator {comm.name!r} (rank {me} of {size}, before sequence "
+                f"{self.label} #{n} on communicator {comm.name!r} (rank {me} of {size}, before sequence "
                 f"number {comm._seq + 1}): {why}. No rank issued the collective; the communicator is "
                 f"still usable")
             err.ranks = odd
@@ -244,6 +257,7 @@ def enable(comm: Any) -> None:
         if rec.name in _ARGS:
             ch.check(rec.name, _fingerprint(comm, rec.name, rec.args))
 
+    ch.sig, comm._sig = getattr(comm, "_sig", None), None  # every call is checked: no first-call checks
     ch.handle = comm.register_pre_hook(hook)
     comm._debug = ch
 
@@ -255,6 +269,9 @@ def disable(comm: Any) -> None:
         return
     ch.handle.remove()
     comm._debug = None
+    if ch.sig is not None:
+        comm._sig = ch.sig
+        comm._build_fast_paths()  # with their first-call check again
 
 
 def is_enabled(comm: Any) -> bool:
@@ -266,3 +283,157 @@ def maybe_install(comm: Any) -> None:
     comm._debug = None
     if _env_on() and comm._store is not None:
         enable(comm)
+
+
+# ------------------------------------------------------ first-call checks
+#: distinct call signatures checked per communicator by default
+#: (``STREAMCOLL_SIGNATURE_CHECKS``; 0: none)
+SIGNATURE_BOUND = 256
+
+
+def _coarse(name: str, x: Any, exact: bool) -> Any:
+    """What the first-call check compares of one argument: element counts
+    and dtypes (not shapes: a flat collective of equal counts is correct
+    whatever the shapes), the canonical reduction, roots."""
+    if name == "op":
+        try:
+            n, f = canonical_op(x)
+        except Exception:
+            return repr(x)
+        return n if n != "PREMUL_SUM" else f"PREMUL_SUM({f:g})"
+    if isinstance(x, (list, tuple)):
+        if not exact:
+            return tuple(sorted({_dtype(t) for t in x}))
+        return tuple(_coarse("", t, True) for t in x)
+    d = getattr(x, "dtype", None)
+    if d is not None:
+        return (d, _numel(x)) if exact else d
+    if x is None or (isinstance(x, int) and not isinstance(x, bool)):
+        return x
+    return repr(x)
+
+
+def _shown(v: Any) -> Any:
+    """A coarse value as the exchanged (JSON) fingerprint shows it."""
+    if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], int) and not isinstance(v[0], (str, tuple)):
+        return f"{str(v[0]).replace('torch.', '')}[{v[1]} elements]"
+    if isinstance(v, tuple):
+        return [_shown(t) for t in v]
+    if v is not None and not isinstance(v, (int, str)):
+        return str(v).replace("torch.", "")
+    return v
+
+
+# split (its colors differ by design) and barrier (no arguments; it may carry
+# its own timeout, which a store wait would not honour) are not checked.
+_FIRST = frozenset(n for n in _ARGS if n not in ("split", "barrier"))
+
+
+class Signatures:
+    """The default check: each distinct call signature (the collective,
+    each tensor's element count and dtype, the reduction, the root) is
+    checked across ranks the first time this communicator sees it, through
+    the store exactly as debug mode checks every call (a mismatch raises
+    :class:`~streamcoll.MismatchError` on every rank before any C call),
+    up to ``bound`` signatures; a signature seen before costs no exchange.
+
+    Correct programs call the same sequence of collectives with the same
+    signatures on every rank, so every rank checks at the same calls. The
+    generated fast paths keep a set of their own keys (element count,
+    dtype, the C reduction, the root: each determines the signature) and
+    call :meth:`first_fast` only when a key is not in it: no frame after
+    warm-up. What it cannot catch: a mismatch where one rank's signature was
+    seen before (it goes on into the library while the other waits for it
+    in the store and raises CollectiveTimeout naming it after the timeout;
+    debug mode catches it), different shapes of equal element counts (the
+    results are the same), different contents, point-to-point calls, and
+    signatures past the bound."""
+
+    def __init__(self, comm: Any, bound: int) -> None:
+        self.comm = comm
+        self.bound = bound
+        self.seen: set = set()   # signatures checked (or past the bound)
+        self.fast: set = set()   # fast-path keys whose signature needs no check
+        self._checker: Optional[_Checker] = None
+        self._async_store: Any = None  # the deferred checks' store connection (a clone)
+        self.checks = 0
+
+    def _key(self, name: str, args: tuple) -> Optional[tuple]:
+        s = spec.TABLE[name]
+        exact, loose, _ = _ARGS[name]
+        a = dict(zip(s.param_names, args))
+        return (name,) + tuple((k, _coarse(k, a.get(k), True)) for k in exact) + \
+            tuple((k, _coarse(k, a.get(k), False)) for k in loose)
+
+    def first(self, s: Any, args: tuple, plan: Any = None, async_op: Any = False) -> None:
+        """Check ``s``'s call with ``args`` across ranks if its signature is
+        new. An async call (``plan`` given) is checked where its C call
+        runs, right before it (the comm thread on the CPU): ``async_op=True``
+        still returns before the peers arrive, and a mismatch is the Work's
+        error. Check numbers are taken here, in issue order, so checks that
+        run out of order (a deferred one behind a synchronous one) still
+        meet their peers' same-numbered checks."""
+        name = s.name
+        if name not in _FIRST:
+            return
+        if not self.comm._usable:
+            return  # failed or destroyed: the launch raises why, at once (no wait for peers in the store)
+        key = self._key(name, args)
+        if key is None or key in self.seen:
+            return
+        if len(self.seen) >= self.bound:
+            return
+        ch = self._checker
+        if ch is None:
+            # created at the first check, not with the communicator: creating one costs no store request
+            ch = self._checker = _Checker(self.comm, prefix="sig", label="first-call check", delete=False)
+        fp: Dict[str, Any] = {"call": name}
+        for k, v in key[1:]:
+            fp[k] = _shown(v)
+        self.checks += 1
+        ch.n += 1
+        n = ch.n
+        if async_op is True and plan is not None:
+            fn = plan.fn
+            # a connection of its own: the comm thread's wait must not queue behind (or block) a
+            # synchronous check of the calling thread on the same client (measured: they deadlocked)
+            if self._async_store is None:
+                try:
+                    self._async_store = ch.store.clone()
+                except Exception:
+                    self._async_store = ch.store
+            st = self._async_store
+
+            def checked(*a: Any) -> Any:
+                ch.check(name, fp, n, st)
+                return fn(*a)
+
+            plan.fn = checked
+            self.seen.add(key)
+            return
+        try:
+            ch.check(name, fp, n)
+        finally:
+            self.seen.add(key)  # checked (a mismatch raised on every rank): not again
+
+    def first_fast(self, fk: tuple, s: Any, args: tuple, async_op: bool = False) -> bool:
+        """A fast path's key ``fk`` missed: check the signature (a
+        synchronous call), then remember ``fk``; True: the fast path goes on.
+        False for an async call of a new signature: the fast path hands it
+        to the general method, which checks it right before its C call."""
+        if async_op and s.name in _FIRST and self.comm._usable and len(self.seen) < self.bound \
+                and self._key(s.name, args) not in self.seen:
+            return False
+        self.first(s, args)
+        self.fast.add(fk)
+        return True
+
+
+def signatures_for(comm: Any) -> Optional[Signatures]:
+    """The first-call checks of a new communicator (None: one rank, no
+    store, or ``STREAMCOLL_SIGNATURE_CHECKS=0``)."""
+    if comm._size < 2 or comm._store is None:
+        return None
+    from .env_vars import read_int
+    bound = read_int("STREAMCOLL_SIGNATURE_CHECKS", SIGNATURE_BOUND, 0)
+    return Signatures(comm, bound) if bound else None

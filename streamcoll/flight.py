@@ -173,6 +173,14 @@ def dump(comm: Any, path: Optional[str] = None, reason: str = "on request") -> s
         write_private(dfd, name, json.dumps(snapshot(comm, reason), indent=1))
     finally:
         os.close(dfd)
+    from . import fr_torch
+    if fr_torch.wanted():  # torch's variables: its format too, for fr_trace (streamcoll.fr_torch)
+        try:
+            from .communicator import _LIVE
+            fr_torch.dump_torch([comm] + [c for c in list(_LIVE) if c is not comm], reason)
+        except Exception as e:  # noqa: BLE001 - the JSON dump is written; say why torch's is not
+            import logging
+            logging.getLogger("streamcoll.flight").warning("torch-format flight dump not written: %s", e)
     return os.path.join(d, name)
 
 
@@ -205,15 +213,26 @@ class Finding:
 
 
 def load_dumps(paths: Sequence[str]) -> List[dict]:
-    """Read flight dumps from files and/or directories (``*.json`` in them)."""
+    """Read flight dumps from files and/or directories: streamcoll's JSON
+    (``*.json``) and torch's pickles (:mod:`streamcoll.fr_torch`: gloo's,
+    NCCL's, streamcoll's own with ``TORCH_FR_DUMP_TEMP_FILE``)."""
+    from . import fr_torch
     files: List[str] = []
     for p in paths:
         if os.path.isdir(p):
-            files += sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(".json"))
+            files += sorted(os.path.join(p, f) for f in os.listdir(p)
+                            if f.endswith(".json") or os.path.isfile(os.path.join(p, f)))
         else:
             files.append(p)
     out = []
     for f in files:
+        if not f.endswith(".json"):  # torch's pickles (fr_trace's format), streamcoll's or gloo's/NCCL's
+            t = fr_torch.load(f)
+            if t is not None:
+                out += fr_torch.from_torch(t, f)
+                continue
+            if os.path.isdir(os.path.dirname(f) or ".") and f not in paths:
+                continue  # some other file in a dump directory
         with open(f) as fh:
             try:
                 d = json.load(fh)

@@ -41,6 +41,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+import torch.autograd.profiler as _ap
 
 from .ops import ReduceOp
 from .plans import FLOATS
@@ -156,7 +157,7 @@ def _namespace(comm: Any) -> Dict[str, Any]:
     ns = {
         "_comm": comm, "_fr": fr, "_ring": fr.ring, "_mask": fr.mask, "_lock": comm._rt.exec_lock,
         "_rt": comm._rt, "_Entry": FlightEntry, "_Tensor": torch.Tensor,
-        "_now": time.monotonic_ns,
+        "_now": time.monotonic_ns, "_ap": _ap,
     }
     if comm._sync_events is not None:
         ns.update(comm._sync_events.namespace())
@@ -229,6 +230,12 @@ def _grow_scratch(sc: List[torch.Tensor], n: int) -> torch.Tensor:
     return sc[0]
 
 
+def _general_args(spec: CollectiveSpec) -> str:
+    """The arguments a fast path passes on to the general method."""
+    argnames = [a.split("=")[0] for a in signature_text(spec).split(", ") if a != "*"]
+    return ", ".join(a if a != "stream" else "stream=stream" for a in argnames)
+
+
 def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]) -> Optional[Callable[..., Any]]:
     """The generated synchronous fast path of ``spec`` for ``comm`` (None
     where the device or library has none: XPU, a missing C function)."""
@@ -262,6 +269,7 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
     elif spec.async_mode == "param":
         conds.append("async_op is False")
     conds.append("stream is None")
+    conds.append("not _ap._is_profiler_enabled")  # while a profiler records: the general method's event
     bufs = [p.name for p in spec.buffers]
     for b in bufs:
         conds.append(f"type({b}) is _Tensor")
@@ -284,9 +292,9 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         ns["_wide"] = {k: cx.dtypes[v] for k, v in cx.widened.items()}
         ns["_sc"] = [torch.empty(0, dtype=torch.float32)]
         ns["_grow"] = _grow_scratch
-        conds.append(f"((d := _dtypes.get({send}.dtype)) is not None or (d := _wide.get({send}.dtype)) is not None)")
+        conds.append(f"((d := _dtypes.get(dt := {send}.dtype)) is not None or (d := _wide.get(dt)) is not None)")
     else:
-        conds.append(f"(d := _dtypes.get({send}.dtype)) is not None")
+        conds.append(f"(d := _dtypes.get(dt := {send}.dtype)) is not None")
     for b in bufs:
         if b != send:
             conds.append(f"{b}.dtype is {send}.dtype")
@@ -336,6 +344,17 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         plain += ["r >= 0"] if fast_avg else []
         conds.append(f"(not ia or ({' and '.join(plain + [f'{biggest} * {send}.element_size() <= _imax'])}))")
     lines = [f"n = m_{cbuf}" + (" // _size" if how == "numel/size" else "")]
+    sig = comm._sig
+    if sig is not None and not spec.p2p:
+        # the first-call check (debug.Signatures): inline set lookup; a frame only for a new key
+        ns.update({"_seen": sig.fast, "_first": sig.first_fast, "_S": spec})
+        fk = ", ".join([f"m_{cbuf}", "dt"] + (["r"] if spec.reduces else []) + ([peer] if peer else []))
+        args = ", ".join(spec.param_names)
+        # False: an async call of a new signature, whose check runs right before its C call (the
+        # general path defers it there): async_op=True never waits here for the peers
+        lines = [f"if (fk := ({fk},)) not in _seen and not _first(fk, _S, ({args},), "
+                 f"{'ia' if inline_async else 'False'}):",
+                 f"    return _general(_comm, {_general_args(spec)})"] + lines
     post = ""
     if fast_avg:
         lines += ["a = r < 0", "if a:", "    r = _SUMC"]
@@ -412,8 +431,7 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
                                 record=_record(comm) if gpu else "", ret=ret,
                                 not_ready="", **_serial(comm))
     sig = signature_text(spec)
-    argnames = [a.split("=")[0] for a in sig.split(", ") if a != "*"]
-    call_general = ", ".join(a if a != "stream" else "stream=stream" for a in argnames)
+    call_general = _general_args(spec)
     head = head.replace("{call_general}", call_general)
     src = (f"def {spec.name}({sig}):\n"
            f"    try:\n"

@@ -169,6 +169,31 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"<ProcessGroupStreamcoll rank={self._rank} size={self._size} comms={list(self._comms)}>"
 
+    # -- torch's backend API (streamcoll.torch_hooks) ----------------------
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False
+    supports_shrinking = False
+
+    def _get_backend(self, device: Any) -> "ProcessGroupStreamcoll":
+        """The backend object of ``device``: this group (it is its own backend;
+        torch's C++ one raised "No backend type associated with device type")."""
+        torch.device(device)  # a bad device raises as torch's does
+        return self
+
+    def supports_tensor_alloc(self, device: Any) -> bool:
+        """False: torch allocates FSDP's buffers itself (no backend allocator)."""
+        return False
+
+    def _set_default_timeout(self, timeout: timedelta) -> None:
+        """The group's timeout from now on (``dist.breakpoint``, ``_set_pg_timeout``)."""
+        from .torch_hooks import set_group_timeout
+        set_group_timeout(self, timeout)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """torch's ``ProcessGroup.set_timeout``: :meth:`_set_default_timeout`."""
+        self._set_default_timeout(timeout)
+
     # -- communicators ------------------------------------------------------
     def communicator(self, device: Any, op: str = "collective") -> Communicator:
         """The Communicator serving ``device``'s type (created on first use: a
@@ -589,6 +614,8 @@ def register_backend() -> None:
     """
     if not dist.is_available():
         return
+    from .torch_hooks import install
+    install()  # _set_pg_timeout (dist.breakpoint) reaches streamcoll groups
     if BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
         return
     with warnings.catch_warnings():

@@ -26,7 +26,7 @@ import stat
 import tempfile
 import time
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 from .env_vars import read_int
 
@@ -85,6 +85,9 @@ class FlightEntry:
 
 
 def _capacity() -> int:
+    """``STREAMCOLL_FLIGHT_SIZE``, else torch's ``TORCH_FR_BUFFER_SIZE``, else 1024."""
+    if not os.environ.get("STREAMCOLL_FLIGHT_SIZE", "").strip() and os.environ.get("TORCH_FR_BUFFER_SIZE", "").strip():
+        return read_int("TORCH_FR_BUFFER_SIZE", 1024, minimum=0)
     return read_int("STREAMCOLL_FLIGHT_SIZE", 1024, minimum=0)
 
 
@@ -187,7 +190,7 @@ def open_dump_dir(path: Optional[str] = None) -> Tuple[int, str]:
     return os.open(fresh, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC), fresh
 
 
-def write_private(dir_fd: int, name: str, text: str) -> None:
+def write_private(dir_fd: int, name: str, text: Union[str, bytes]) -> None:
     """Write ``text`` as ``name`` in the directory ``dir_fd``: a new file of
     mode 0600 under a temporary name (``O_CREAT|O_EXCL|O_NOFOLLOW``: never an
     existing file, never through a link someone planted), then renamed over
@@ -204,7 +207,7 @@ def write_private(dir_fd: int, name: str, text: str) -> None:
     else:
         raise FileExistsError(f"no free temporary name for {name!r}")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
         os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:

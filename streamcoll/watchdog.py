@@ -88,9 +88,19 @@ INTERVAL_S = 0.5  # longest pass interval: a hang is reported within timeout + 2
 SCAN = 256  # newest entries of each communicator looked at per pass
 
 
+# torch's TORCH_NCCL_ASYNC_ERROR_HANDLING, where the meaning is the same: 1
+# (tear down) and 3 (skip clean-up) end the process, 0 (no handling) and 2
+# (clean up only) report and fail the communicator and keep the process.
+_TORCH_MODES = {"0": "fail", "1": "exit", "2": "fail", "3": "exit"}
+
+
 def mode() -> str:
-    """``exit`` (default), ``fail`` or ``off`` (``STREAMCOLL_WATCHDOG``)."""
-    m = os.environ.get("STREAMCOLL_WATCHDOG", "exit").strip().lower() or "exit"
+    """``exit`` (default), ``fail`` or ``off`` (``STREAMCOLL_WATCHDOG``;
+    unset: ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 1/3 exit, 0/2 fail)."""
+    m = os.environ.get("STREAMCOLL_WATCHDOG", "").strip().lower()
+    if not m:
+        t = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "").strip()
+        m = _TORCH_MODES.get(t, "exit")
     if m in ("0", "false", "no"):
         m = "off"
     if m not in ("exit", "fail", "off"):

@@ -1,0 +1,242 @@
+"""The default first-call checks (issue 34): a mismatched collective raises
+MismatchError on every rank instead of a partial sum on one and a hang on
+the other, and a signature seen before costs nothing (no store request, no
+Python frame on the fast path).
+
+Before (no check by default): rank 0 all_reduces 4 floats, rank 1 8: rank
+1 returned ``[2, 2, 2, 2, 1, 1, 1, 1]`` and rank 0 hung in oneCCL.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import streamcoll
+from streamcoll import debug
+
+from conftest import get_world, needs_oneccl
+from world import free_port
+
+pytestmark = [needs_oneccl, pytest.mark.world]
+
+
+# ---------------------------------------------------------------- workers
+def _mismatch(comm, case, n0):
+    """Rank 1 deviates (``case``); returns what each rank saw. ``n0``: a
+    size no earlier call of the pooled communicator used (a new signature)."""
+    r = comm.rank
+    t = torch.ones(n0 + (4 if case == "shape" and r == 1 else 0))
+    t0 = time.monotonic()
+    try:
+        if case == "op":
+            comm.all_reduce(t, streamcoll.ReduceOp.MAX if r == 1 else streamcoll.ReduceOp.SUM)
+        elif case == "collective":
+            if r == 1:
+                comm.broadcast(t, 0)
+            else:
+                comm.all_reduce(t)
+        else:
+            comm.all_reduce(t)
+        res = {"raised": None, "value": t.tolist()[:10]}
+    except Exception as e:  # noqa: BLE001 - compared in the parent
+        res = {"raised": type(e).__name__, "message": str(e), "ranks": getattr(e, "ranks", None)}
+    res["elapsed"] = time.monotonic() - t0
+    # the communicator is still usable: no rank issued the C call
+    u = torch.full((3,), float(r + 1))
+    comm.all_reduce(u)
+    res["after"] = u.tolist()
+    return res
+
+
+@needs_oneccl
+@pytest.mark.parametrize("case", ["shape", "op", "collective", "async"])
+def test_mismatch_raises_on_every_rank_by_default(case):
+    w = get_world(2)
+    n0 = {"shape": 1237, "op": 1239, "collective": 1241, "async": 1243}[case]
+    if case == "async":
+        res = w.run(_mismatch_async_shape, n0, timeout=60)
+    else:
+        res = w.run(_mismatch, case, n0, timeout=60)
+    for r, x in enumerate(res):
+        assert x["raised"] == "MismatchError", (r, x)
+        assert x["ranks"] == [1] or x["ranks"] == [0] or x["ranks"] == [0, 1], x
+        assert "first-call check" in x["message"] and "No rank issued the collective" in x["message"], x
+        assert x["elapsed"] < 10.0, x
+        assert x["after"] == [3.0] * 3, x
+    if case == "shape":
+        assert "float32[1241 elements]" in res[0]["message"] and "float32[1237 elements]" in res[0]["message"]
+    if case == "op":
+        assert "MAX" in res[0]["message"] and "SUM" in res[0]["message"]
+    if case == "collective":
+        assert "broadcast" in res[0]["message"] and "all_reduce" in res[0]["message"]
+
+
+def _mismatch_async_shape(comm, n0):
+    r = comm.rank
+    t = torch.ones(n0 + (4 if r == 1 else 0))
+    old = comm.inline_async_bytes
+    comm.inline_async_bytes = 0  # the general path: the comm thread's strategy
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(t, async_op=True).wait()
+        res = {"raised": None}
+    except Exception as e:  # noqa: BLE001
+        res = {"raised": type(e).__name__, "message": str(e), "ranks": getattr(e, "ranks", None)}
+    finally:
+        comm.inline_async_bytes = old
+    res["elapsed"] = time.monotonic() - t0
+    u = torch.full((3,), float(r + 1))
+    comm.all_reduce(u)
+    res["after"] = u.tolist()
+    return res
+
+
+def _steady_state(comm, calls):
+    """Warm signatures: no store request, one frame on the fast path."""
+    from streamcoll.bench.overhead import count_frames
+    from streamcoll.bench.rendezvous import CountingStore
+    sig = comm._sig
+    r, n = comm.rank, comm.size
+    x = torch.ones(1021)
+    out = torch.empty(4 * n)
+    big = torch.ones(1 << 16)
+    steps = [lambda: comm.all_reduce(x), lambda: comm.broadcast(x, 0),
+             lambda: comm.all_gather_into_tensor(out, torch.ones(4)),
+             lambda: comm.all_reduce(big, async_op=True).wait(),  # above the inline size: the general path
+             lambda: streamcoll.all_reduce(x, group=comm)]
+    for s in steps:  # warm-up: each signature's first call is checked
+        s()
+    checks0 = sig.checks
+    ch = sig._checker
+    inner = ch.store
+    ch.store = CountingStore(inner)
+    try:
+        for _ in range(calls):
+            for s in steps:
+                s()
+        requests = ch.store.requests
+        frames = count_frames(comm.all_reduce, x)
+        entered = _entered(comm.all_reduce, x)
+    finally:
+        ch.store = inner
+    return {"checks": sig.checks - checks0, "requests": requests, "frames": frames, "entered": entered,
+            "fast": comm.fast_path, "x": x[0].item()}
+
+
+def _entered(fn, *args):
+    """The (file, function) of each Python frame one call of ``fn`` enters."""
+    import sys
+    fn(*args)
+    out = []
+
+    def prof(frame, event, arg):
+        if event == "call":
+            f = frame.f_code.co_filename
+            out.append((f if f.startswith("<") else f.rsplit("/", 1)[-1], frame.f_code.co_name))
+    sys.setprofile(prof)
+    try:
+        fn(*args)
+    finally:
+        sys.setprofile(None)
+    return out
+
+
+def test_warm_signatures_cost_no_store_request_and_no_frame(world2):
+    res = world2.run(_steady_state, 50, timeout=120)
+    for x in res:
+        assert x["checks"] == 0 and x["requests"] == 0, x
+        # the fast path's one frame; where an async entry held the flight ring's slot, the recorder
+        # makes a sync entry for it (FlightEntry.__init__: the pooled world after the async steps)
+        assert x["fast"] and x["entered"][0][1] == "all_reduce" and x["entered"][0][0].startswith("<streamcoll"), x
+        assert x["entered"][1:] in ([], [("recorder.py", "__init__")]), x
+
+
+def test_signature_checks_are_off_for_one_rank_and_by_variable(monkeypatch):
+    import torch.distributed as dist
+    c = streamcoll.new_communicator(backend="oneccl", device="cpu", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        assert c._sig is None and "_seen" not in c.all_reduce.__globals__
+    finally:
+        c.destroy()
+    with pytest.raises(ValueError, match="STREAMCOLL_SIGNATURE_CHECKS"):
+        monkeypatch.setenv("STREAMCOLL_SIGNATURE_CHECKS", "-1")
+        debug.signatures_for(type("C", (), {"_size": 2, "_store": object()})())
+    monkeypatch.setenv("STREAMCOLL_SIGNATURE_CHECKS", "0")
+    assert debug.signatures_for(type("C", (), {"_size": 2, "_store": object()})()) is None
+
+
+# ------------------------------------------- through torch.distributed, against gloo
+_SCRIPT = r"""
+import json, os, sys, time, datetime, torch, torch.distributed as dist
+import streamcoll
+backend, case = sys.argv[1], sys.argv[2]
+rank = int(os.environ["RANK"])
+dist.init_process_group(backend, timeout=datetime.timedelta(seconds=20))
+dist.all_reduce(torch.ones(2))  # the group's communicator exists
+t = torch.ones(4 if rank == 0 or case != "shape" else 8)
+op = dist.ReduceOp.MAX if (case == "op" and rank == 1) else dist.ReduceOp.SUM
+t0 = time.monotonic()
+try:
+    dist.all_reduce(t, op=op)
+    res = {"raised": None, "value": t.tolist()}
+except Exception as e:
+    res = {"raised": type(e).__name__, "message": str(e)[:2000]}
+res["elapsed"] = time.monotonic() - t0
+print("RES", json.dumps(res), flush=True)
+store = dist.distributed_c10d._get_default_store()
+store.set(f"done{rank}", "1")
+if rank == 0:
+    store.wait(["done1"])  # rank 0 hosts the store: the others must be done reading it
+os._exit(0)  # a failed gloo pair cannot be destroyed cleanly
+"""
+
+
+def _run_pair(tmp_path, backend, case, env=None):
+    port = free_port()
+    procs = []
+    for r in range(2):
+        e = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), STREAMCOLL_WATCHDOG="off", **(env or {}))
+        procs.append(subprocess.Popen([sys.executable, "-c", _SCRIPT, backend, case], env=e, cwd=str(tmp_path),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = []
+    try:
+        for p in procs:
+            o, err = p.communicate(timeout=90)
+            line = [x for x in o.splitlines() if x.startswith("RES ")]
+            assert line, (backend, case, p.returncode, o[-2000:], err[-3000:])
+            import json
+            out.append(json.loads(line[0][4:]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
+@pytest.mark.parametrize("case", ["shape", "op"])
+def test_mismatch_through_torch_distributed_like_gloo_detail(tmp_path, case):
+    """streamcoll by default and with DETAIL, gloo with DETAIL: both ranks
+    raise within seconds on a shape mismatch (gloo's DETAIL wrapper:
+    "Detected mismatch between collectives"); a SUM against a MAX, gloo
+    (DETAIL or not) returns a mix silently, streamcoll raises."""
+    gloo = _run_pair(tmp_path, "gloo", case, {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    sc = _run_pair(tmp_path, "streamcoll", case)
+    detail = _run_pair(tmp_path, "streamcoll", case, {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    for g in gloo:
+        if case == "op":  # measured: gloo's DETAIL wrapper does not compare reductions; a silent mix
+            assert g["raised"] is None and g["value"][:2] == [2.0, 2.0], gloo
+        else:
+            assert g["raised"] is not None and g["elapsed"] < 10, gloo
+    for x in sc:
+        assert x["raised"] == "MismatchError" and "first-call check" in x["message"] and x["elapsed"] < 10, sc
+    for x in detail:  # every call checked (debug mode), shapes compared
+        assert x["raised"] == "MismatchError" and "debug check" in x["message"] and x["elapsed"] < 10, detail
+    if case == "shape":
+        assert "float32[4 elements]" in sc[0]["message"] and "float32[8 elements]" in sc[0]["message"]
+        assert "float32[4]" in detail[0]["message"] and "float32[8]" in detail[0]["message"]
