@@ -1104,6 +1104,9 @@ class Communicator(CollectiveMethods):
                         "Pass keys in parent-rank order (or equal keys)."
                     )
         new_rank = [r for _, r in members].index(self._rank) if c >= 0 else 0
+        # every rank of this communicator splits it as often (split is collective): the k-th split's
+        # children have names no other communicator has, which keys what they keep in the store
+        k = self._splits = getattr(self, "_splits", 0) + 1
         newh = self._backend.split(self._handle, c, new_rank, in_progress_ok=self.nonblocking)
         if c < 0:
             return None
@@ -1117,7 +1120,7 @@ class Communicator(CollectiveMethods):
         child = adopt(self._backend, newh, lambda: Communicator(
             self._backend, self._device, newh, new_rank, len(members),
             self.timeout if timeout is None else timeout, self.record_stream, self._store,
-            name=f"{self.name}/split{c}",
+            name=f"{self.name}/split{c}" if k == 1 else f"{self.name}/split{c}.{k}",
         ))
         if self.topology is not None:  # derived from this one's: no store, no exchange
             child.topology = self.topology.subgroup([r for _, r in members], new_rank)

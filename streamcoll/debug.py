@@ -201,7 +201,8 @@ class _Checker:
         self.delete = delete  # delete own key n - 2 (checks run in order; not the deferred first-call ones)
         # A namespace per communicator object: communicators of the same name
         # (two splits of one color, a re-init) must not read each other's keys.
-        self.ns = (int(store.add(f"{prefix}/ns/{comm.name}", 1)) - 1) // comm._size
+        self.comm_key = f"{comm.name}/{comm._size}"
+        self.ns = (int(store.add(f"{prefix}/ns/{self.comm_key}", 1)) - 1) // comm._size
         self.n = 0
         self.handle: Any = None
         self.sig: Optional["Signatures"] = None  # the first-call checks, set aside while this is on
@@ -214,8 +215,14 @@ class _Checker:
             self.n += 1
             n = self.n
         me, size = comm._rank, comm._size
+        if store is None:  # the caller's thread is about to block on the other ranks
+            from .work import POSTING, launch_posted
+            if POSTING:
+                launch_posted()  # posted p2p first: a peer may be waiting on it (as a synchronous call does)
         store = self.store if store is None else store
-        key = f"{self.prefix}/{self.ns}/{{}}/{{}}"
+        # the communicator's name and size in the key: communicators on one store (a split's
+        # children share their parent's) each count their checks from 1
+        key = f"{self.prefix}/{self.comm_key}/{self.ns}/{{}}/{{}}"
         store.set(key.format(n, me), json.dumps(fp, default=repr))
         keys = [key.format(n, r) for r in range(size)]
         try:
