@@ -580,6 +580,12 @@ def rendezvous(store: Any, rank: int, world_size: int, *, timeout: Union[float, 
             topo = known
         else:
             values = pstore.multi_get(lead.keys) if lead.keys else []
+            empty = [r for r, v in enumerate(values, 1) if not v]
+            if empty:  # a slot an earlier, timed-out attempt on this store marked (its reporter's b"")
+                raise RendezvousError(
+                    f"communicator {cname!r}: rank(s) {', '.join(map(str, empty))} left no facts in namespace "
+                    f"{prefix!r} (an earlier attempt on this store timed out there): retry with a new store, "
+                    f"or another name=")
             everyone = [me] + [topology.RankFacts.from_json(v) for v in values]
             topo = topology.Topology(topology.compute(everyone), 0, me)
         uid = bytes((make_uid or _default_uid)(topo, cname))

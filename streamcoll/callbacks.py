@@ -55,7 +55,8 @@ class CallbackThread:
     """Runs completions in order on one thread at a time (see the module doc)."""
 
     def __init__(self, idle_s: float = IDLE_S, name: str = "streamcoll-callbacks") -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # taken with ``with``: C-level enter/exit (an interrupt cannot leak it)
+        self._cond = threading.Condition(self._lock)
         self._queue: Deque[Callable[[], Any]] = collections.deque()
         self._owner: Optional[int] = None  # ident of the thread running completions now
         self._idle = 0                     # threads waiting for the role
@@ -71,7 +72,7 @@ class CallbackThread:
 
     def submit(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` on the callback thread after every completion submitted before it."""
-        with self._cond:
+        with self._lock:
             self._queue.append(fn)
             self._wake()
 
@@ -93,7 +94,7 @@ class CallbackThread:
         """Called on the callback thread before it blocks: another thread
         continues with the completions (the one this thread waits for among
         them); this thread finishes its callback afterwards."""
-        with self._cond:
+        with self._lock:
             if self._owner != threading.get_ident():
                 return
             self._owner = None

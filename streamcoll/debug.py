@@ -412,16 +412,18 @@ class Signatures:
             st = self._async_store
 
             def checked(*a: Any) -> Any:
-                ch.check(name, fp, n, st)
+                try:
+                    ch.check(name, fp, n, st)
+                except BaseException:
+                    self.seen.discard(key)  # a mismatch: the same call again is checked again
+                    raise
                 return fn(*a)
 
             plan.fn = checked
             self.seen.add(key)
             return
-        try:
-            ch.check(name, fp, n)
-        finally:
-            self.seen.add(key)  # checked (a mismatch raised on every rank): not again
+        ch.check(name, fp, n)
+        self.seen.add(key)  # passed: not again (a mismatch stays checkable: a retry must not go unchecked)
 
     def first_fast(self, fk: tuple, s: Any, args: tuple, async_op: bool = False) -> bool:
         """A fast path's key ``fk`` missed: check the signature (a
@@ -432,8 +434,12 @@ class Signatures:
                 and self._key(s.name, args) not in self.seen:
             return False
         self.first(s, args)
-        self.fast.add(fk)
+        if len(self.fast) < FAST_KEYS_MAX:  # past it (sizes without end), a new size costs a frame, no growth
+            self.fast.add(fk)
         return True
+
+
+FAST_KEYS_MAX = 4096
 
 
 def signatures_for(comm: Any) -> Optional[Signatures]:

@@ -348,7 +348,7 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
     if sig is not None and not spec.p2p:
         # the first-call check (debug.Signatures): inline set lookup; a frame only for a new key
         ns.update({"_seen": sig.fast, "_first": sig.first_fast, "_S": spec})
-        fk = ", ".join([f"m_{cbuf}", "dt"] + (["r"] if spec.reduces else []) + ([peer] if peer else []))
+        fk = ", ".join([repr(spec.name), f"m_{cbuf}", "dt"] + (["r"] if spec.reduces else []) + ([peer] if peer else []))
         args = ", ".join(spec.param_names)
         # False: an async call of a new signature, whose check runs right before its C call (the
         # general path defers it there): async_op=True never waits here for the peers

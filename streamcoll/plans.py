@@ -42,11 +42,13 @@ def _run_group(gs: Callable[[], int], ge: Callable[[], int], calls: Sequence[Tup
     if rc:
         comm._raise_rc("group_start", rc)
     err = None
-    for f, args, cname in calls:
-        rc = f(*args, h)
-        if rc and err is None:
-            err = (cname, rc)
-    rc = ge()
+    try:
+        for f, args, cname in calls:
+            rc = f(*args, h)
+            if rc and err is None:
+                err = (cname, rc)
+    finally:  # a member raising (its first-call check, an interrupt) still closes the group: left
+        rc = ge()  # open, every later call of the communicator returned at once, unreduced
     if err is not None:
         comm._raise_rc(*err)
     if rc:

@@ -105,7 +105,12 @@ _NAME = re.compile(r"(\d+):\d+:\d+(?::\d+)?")   # <pid>:<uid>:<ep_idx> (1.14-2.5
 _LOCK = threading.Lock()
 _PREPARED: List[int] = []   # the pid that registered the exit hook (a forked child registers its own)
 _WAIT_FOR_OTHER_SWEEPER_S = 1.0
-_SWEEP_LOCK_WAIT_S = 10.0   # another process's sweep of the directory: milliseconds per hundred regions
+# Another process's sweep of the directory takes milliseconds per hundred regions. Past this, the
+# sweep goes on without the lock: the lease's break notice (SIGURG) already makes two sweeps safe
+# together; the lock only keeps them from each sparing a region the other had open. Any user can
+# hold a flock on /dev/shm (and a forked child inherits one): a longer wait would let them stall
+# every init on the host.
+_SWEEP_LOCK_WAIT_S = 1.0
 _BREAK_SIGNAL = signal.SIGURG   # the lease's break notice: ignored by default, where SIGIO's default kills
 
 
@@ -214,8 +219,9 @@ def sweep(directory: str = SHM_DIR) -> List[Region]:
         log.debug("no shm sweep: cannot lock %s: %s", directory, e.strerror)
         return []
     if lock is None:
-        log.debug("no shm sweep: another process has swept %s for %g s", directory, _SWEEP_LOCK_WAIT_S)
-        return []
+        log.debug("shm sweep of %s without its lock: another process held it for %g s", directory,
+                  _SWEEP_LOCK_WAIT_S)
+        return _sweep_locked(directory)
     try:
         return _sweep_locked(directory)
     finally:
@@ -310,7 +316,11 @@ def own_regions() -> List[Region]:
 def _gone(pid: int, made: float) -> bool:
     """Whether the process that made a region (pid ``pid`` in its name, made
     at ``made``) has ended: no process of this PID namespace has that pid,
-    it is a zombie, or it started after the region was made (reused)."""
+    or it is a zombie. A live process with that pid counts as the owner even
+    where it may be a reuse: comparing its start with the region's time
+    mixes the wall clock with the boot clock, and a clock step made a live
+    peer's region look stale (review of issue 36); a reused pid's region
+    waits for the next init's sweep."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -319,10 +329,7 @@ def _gone(pid: int, made: float) -> bool:
         return True
     except (OSError, ValueError, IndexError):
         return False
-    if state in ("Z", "X"):
-        return True
-    made_boot = made - (time.clock_gettime(time.CLOCK_REALTIME) - time.clock_gettime(time.CLOCK_BOOTTIME))
-    return start_ticks / os.sysconf("SC_CLK_TCK") > made_boot
+    return state in ("Z", "X")
 
 
 def dead_peer_regions() -> List[Region]:

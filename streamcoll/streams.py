@@ -260,7 +260,12 @@ class CpuRuntime(Runtime):
         behind it). ``blocking=False`` (a finaliser, which may run inside
         this runtime's own critical section): not if the lock is taken (the
         watchdog's next pass starts the work then)."""
-        if not self._mutex.acquire(blocking):
+        if blocking:
+            with self._mutex:  # not acquire() then try: an interrupt between them would leak the lock
+                if self._queue and self.running is None:
+                    self._work_cv.notify()
+            return
+        if not self._mutex.acquire(False):
             return
         try:
             if self._queue and self.running is None:
@@ -354,6 +359,8 @@ class CpuRuntime(Runtime):
                     ts.turn = item.ticket + 1  # Turnstile.leave inline: an interrupt at a call's entry would keep the turn
                     if ts.waiting or ts.skipped:
                         ts.wake()  # (interrupted: waiters re-read the turn every POLL_S)
+                elif ts is not None:
+                    ts.cancel(item.ticket)  # its wait interrupted (at its entry, say): the turn skips it
         finally:
             self._complete(item)
 
@@ -428,7 +435,7 @@ class CpuRuntime(Runtime):
         the failure as its result whatever the call returns, and its waiters
         and callbacks are released now. Later submissions raise."""
         fired: List[Callable[[], None]] = []
-        with self._cond:
+        with self._mutex:  # C-level enter/exit (a Condition's are Python: an interrupt there leaks the lock)
             self._failed = True
             queued = list(self._queue)
             self._queue.clear()
@@ -455,7 +462,7 @@ class CpuRuntime(Runtime):
         if item.done or item.exc is not None:
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with self._mutex:
             self._waiters += 1
             try:
                 while not (item.done or item.exc is not None):
@@ -496,7 +503,7 @@ class CpuRuntime(Runtime):
     def on_complete(self, event: CpuEvent, cb: Callable[[], None]) -> None:
         """Run ``cb`` once the work behind ``event`` completed (maybe now)."""
         item = event.item
-        with self._cond:
+        with self._mutex:
             if item is not None and not item.done and item.exc is None:
                 if item.callbacks is None:
                     item.callbacks = []
@@ -519,14 +526,14 @@ class CpuRuntime(Runtime):
         more C calls, so the native communicator may be freed."""
         if self.turnstile is not None:
             self.turnstile.sleepers.pop(id(self), None)
-        with self._cond:
+        with self._mutex:
             self._closed = True
             self._work_cv.notify_all()
             t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout)
             if t.is_alive():
-                with self._cond:
+                with self._mutex:
                     return self.running is None and not self._queue
         return True
 

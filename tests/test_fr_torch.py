@@ -124,7 +124,7 @@ def test_one_analysis_reads_a_gloo_side_group_and_a_streamcoll_group(tmp_path):
     p = subprocess.run([sys.executable, "-m", "streamcoll.flight", "analyze", str(d)], capture_output=True,
                        text=True, timeout=60)
     text = p.stdout + p.stderr
-    assert "communicator 'pg0-cpu': 2 ranks, dumps from ranks 0, 1" in text, text
+    assert "communicator 'pgworld-cpu': 2 ranks, dumps from ranks 0, 1" in text, text
     assert ("communicator '1:undefined': first problem at sequence number 3 (collective #3): rank 1 never "
             "arrived") in text and "gloo (torch)" in text, text
     # torch's reader on gloo's own dumps: its KeyError, then the work-around (pg_config re-keyed)

@@ -201,6 +201,10 @@ def _scenarios() -> Dict[str, Any]:
                           None, [A, B]),
         "queued_async": (dict, lambda st: A.all_reduce(big, async_op=True).wait(), None, [A, B]),
         "sync_behind_async": (dict, sync_behind_async, None, [A, B]),
+        # a quiet small call woken by a query or a bounded wait (the review's real-signal runs)
+        "poll_async": (dict, lambda st: (lambda w: (w.is_completed(), w.wait()))(A.all_reduce(small, async_op=True)),
+                       None, [A, B]),
+        "timed_wait": (dict, lambda st: A.all_reduce(small, async_op=True).wait(5.0), None, [A, B]),
         "split": (dict, split, after_split, [A, B]),
         "new_communicator": (dict, new_comm, after_split, [A, B]),
         "destroy": (destroy_setup, destroy, None, [A, B]),
@@ -281,7 +285,7 @@ sys.path.insert(0, HERE)
 from conftest import needs_oneccl  # noqa: E402
 
 HOT = ["fast_sync", "fast_async", "module_sync", "general_sync", "general_async", "queued_async",
-       "sync_behind_async"]
+       "sync_behind_async", "poll_async", "timed_wait"]
 # one process each: an interrupted destroy leaves its native communicator
 # allocated (oneCCL's communicator ids run out after a few hundred)
 LIFE = ["split", "new_communicator", "destroy"]
