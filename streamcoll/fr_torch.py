@@ -152,7 +152,8 @@ def from_torch(d: dict, path: str) -> List[dict]:
     group, taken for it."""
     import re
     m = re.search(r"(\d+)$", os.path.basename(path))
-    grank = int(d.get("rank", m.group(1) if m else -1))
+    raw = d.get("rank")
+    grank = int(raw) if raw is not None else (int(m.group(1)) if m else -1)
     cfg = d.get("pg_config") or {}
     by_name: Dict[str, dict] = {}
     for k, v in cfg.items():

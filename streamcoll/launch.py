@@ -410,7 +410,7 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         ns["_raw"] = comm._rt.raw_current
         ns["_native"] = comm._rt.native
     keep = "(" + ", ".join(bufs) + ",)"
-    ret = {"src": peer}.get(spec.returns, "None")
+    ret = {"src": peer}.get(spec.returns) or "None"
     head = ""
     if inline_async:
         if ret != "None":

@@ -175,7 +175,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
     supports_time_estimate = False
     supports_shrinking = False
 
-    def _get_backend(self, device: Any) -> "ProcessGroupStreamcoll":
+    def _get_backend(self, device: Any) -> "ProcessGroupStreamcoll":  # type: ignore[override]  # it is its own backend
         """The backend object of ``device``: this group (it is its own backend;
         torch's C++ one raised "No backend type associated with device type")."""
         torch.device(device)  # a bad device raises as torch's does
