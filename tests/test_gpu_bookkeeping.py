@@ -395,7 +395,7 @@ def test_the_generated_cuda_launcher_with_events_compiles():
     from streamcoll.sync_events import SyncEvents
     for n in (1, 3):
         sev = SyncEvents(16, 0, n)
-        body = launch.SYNC_TEMPLATE.format(
+        body = launch._fill(  # the launcher's own filling: {record} lands inside the try
             ready="True", p2p="", name="'all_reduce'", keep="(t,)", call="_f(t, hs)", cname="'all_reduce'",
             post="", record=launch._indent(sev.source(), 8), ret="None", not_ready="_lock.release()",
             ticket="", enter="", leave="")
@@ -545,4 +545,4 @@ def test_split_waits_for_a_nonblocking_child_before_a_communicator_holds_it():
     import inspect
     from streamcoll.communicator import Communicator
     src = inspect.getsource(Communicator.split)
-    assert src.index("nccl_wait_ready(") < src.index("child = Communicator(")
+    assert src.index("nccl_wait_ready(") < src.index("lambda: Communicator(")

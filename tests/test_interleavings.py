@@ -12,6 +12,7 @@ import random
 import sys
 import threading
 import time
+from datetime import timedelta
 from typing import Any, Dict, List
 
 import pytest
@@ -59,16 +60,15 @@ class Shuffler:
 
 
 def _setup(comm) -> Dict[str, Any]:
-    """Once per rank process: a gloo group (the reference) and a second
+    """Once per rank process: a gloo process group (the reference; made
+    directly on a store of its own, so the pooled rank's later scenarios
+    find torch's default group as they left it: uninitialized) and a second
     streamcoll communicator B over the same ranks."""
     if not _STATE:
-        if dist.is_initialized():
-            _STATE["gloo"] = dist.new_group(backend="gloo")
-        else:
-            port = int(os.environ["MASTER_PORT"]) + 7
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
-                                    world_size=comm.size)
-            _STATE["gloo"] = dist.group.WORLD
+        port = int(os.environ["MASTER_PORT"]) + 7
+        store = dist.TCPStore("127.0.0.1", port, comm.size, comm.rank == 0, timeout=timedelta(seconds=60))
+        _STATE["store"] = store
+        _STATE["gloo"] = dist.ProcessGroupGloo(store, comm.rank, comm.size, timedelta(seconds=60))
         _STATE["B"] = comm.split(0)
     return _STATE
 
@@ -78,7 +78,7 @@ def _ref(ts: List[torch.Tensor]) -> List[List[float]]:
     out = []
     for t in ts:
         r = t.clone()
-        dist.all_reduce(r, group=g)
+        g.allreduce([r]).wait()
         out.append(r.tolist())
     return out
 

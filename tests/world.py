@@ -171,8 +171,12 @@ def _worker(rank: int, size: int, port: int, conn, env: Dict[str, str], init_kwa
         fn, args, kwargs = msg
         try:
             res = fn(comm, *args, **kwargs)
+            left = _left_default_group()
+            if left:
+                raise AssertionError(left)
             conn.send(("ok", res))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+            _left_default_group()
             conn.send(("error", f"{type(e).__name__}: {e}\n" + traceback.format_exc()))
     try:
         if init_kwargs is not None:
@@ -180,6 +184,21 @@ def _worker(rank: int, size: int, port: int, conn, env: Dict[str, str], init_kwa
     except Exception:
         pass
     os._exit(0)
+
+
+def _left_default_group() -> str:
+    """A pooled rank's scenarios share one process: one that leaves torch's
+    default group initialized fails every later ``init_process_group``
+    ("trying to initialize the default process group twice"), a cascade
+    far from its cause. Destroy it here and name the scenario that left it."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return ""
+    try:
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - the report below is what matters
+        return f"the scenario left torch's default process group initialized; destroying it raised {e!r}"
+    return "the scenario left torch's default process group initialized (destroyed here)"
 
 
 class FreshRank(NamedTuple):
