@@ -187,6 +187,11 @@ def _compare(fps: List[dict], size: int) -> Tuple[Optional[str], List[int]]:
     return None, []
 
 
+# The checks waiting in the store now, one line each (watchdog.running_calls:
+# a Ctrl-C during a check names the collective, not the store's wait).
+WAITING: Dict[object, str] = {}
+
+
 class _Checker:
     """The debug state of one communicator."""
 
@@ -225,7 +230,12 @@ class _Checker:
         key = f"{self.prefix}/{self.comm_key}/{self.ns}/{{}}/{{}}"
         store.set(key.format(n, me), json.dumps(fp, default=repr))
         keys = [key.format(n, r) for r in range(size)]
-        try:
+        how = "synchronous" if store is self.store else "async, comm thread"
+        tag = object()
+        try:  # the entry inside the try: an interrupt after it leaves no stale line
+            WAITING[tag] = (f"{name} (sequence number {comm._seq + 1}, {how}) on communicator {comm.name!r} "
+                            f"(rank {me} of {size}, {comm.backend}): in its {self.label} #{n}, waiting in the "
+                            "store for the other ranks before any native call")
             store.wait(keys, timedelta(seconds=comm.timeout))
         except Exception as e:
             missing = [r for r in range(size) if not store.check([keys[r]])]
@@ -235,6 +245,8 @@ class _Checker:
                 name, comm._seq + 1, comm.timeout, [], me, size,
                 f"{self.label} #{n}: {_ranks(missing)} never reached this collective within the timeout "
                 f"(skipped it, died or hung); this rank called {_show(fp)}") from e
+        finally:
+            WAITING.pop(tag, None)
         vals = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
         fps = [json.loads(v) for v in vals]
         if n > 2 and self.delete:

@@ -550,6 +550,8 @@ def running_calls() -> List[str]:
             out.append(f"{inf.op} (sequence number {inf.seq}, async, comm thread) on communicator "
                        f"{comm.name!r} (rank {comm.rank} of {comm.size}, {comm.backend}, running for "
                        f"{(now - (inf.t_start or inf.t_enq)) / 1e9:.1f} s)")
+    from .debug import WAITING
+    out.extend(list(WAITING.values()))
     from .backends import _BACKENDS
     for b in list(_BACKENDS.values()):
         ts = b.turnstile
@@ -594,6 +596,8 @@ def register(comm: Any) -> None:
 
 def _init_waits_behind(what: str) -> str:
     """The holder of the turn that the guarded call ``what`` waits for, or ""."""
+    from .debug import WAITING
+    out.extend(list(WAITING.values()))
     from .backends import _BACKENDS
     for b in list(_BACKENDS.values()):
         ts = b.turnstile
