@@ -596,8 +596,6 @@ def register(comm: Any) -> None:
 
 def _init_waits_behind(what: str) -> str:
     """The holder of the turn that the guarded call ``what`` waits for, or ""."""
-    from .debug import WAITING
-    out.extend(list(WAITING.values()))
     from .backends import _BACKENDS
     for b in list(_BACKENDS.values()):
         ts = b.turnstile

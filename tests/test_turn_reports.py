@@ -29,6 +29,10 @@ def w_waiting_behind(comm):
     b = comm.split(0)
     b.name = "B"
     x, y = torch.ones(4), torch.full((4,), 2.0)
+    # both signatures checked first (debug.Signatures): the calls below go
+    # straight to the turn, whatever the pooled rank ran before
+    comm.all_reduce(torch.zeros(4))
+    b.all_reduce(torch.zeros(4))
     out = {}
     if comm.rank == 0:
         ta = threading.Thread(target=lambda: comm.all_reduce(x))
