@@ -257,6 +257,11 @@ def ray_runs(tmp_path_factory):
     ray = str(VENV / "bin" / "ray")
     env = netns.clean_env({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_TRAIN_V2_ENABLED": "1",
                            "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1",
+                           # Ray >= 2.59: `ray start --head` turns token auth on when ~/.ray/auth_token exists
+                           # (a local ray.init() writes it: test_launchers' Ray Train case), and neither
+                           # `ray start --address` nor ray.init(address=...) sends it: every join fails
+                           # with InvalidAuthToken (seen in CI). The cluster is the test's own, in namespaces.
+                           "RAY_AUTH_MODE": "disabled",
                            "PATH": f"{VENV / 'bin'}:{os.environ['PATH']}"})
     t0 = time.monotonic()
     with netns.Hosts(NODES) as hosts:
