@@ -17,7 +17,7 @@
 #     to load the backend extension: streamcoll": the torch.backends entry
 #     point's module is gone; way out: TORCH_DEVICE_BACKEND_AUTOLOAD=0, then
 #     `pip uninstall streamcoll`). Users install the wheel or `pip install .`
-#     (README, "Install as a user").
+#     (README, "Install").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"

@@ -9,7 +9,7 @@
 # - ray[train]: Ray Train's TorchTrainer (2.60's Train V2 needs
 #   RAY_TRAIN_V2_ENABLED=1; the tests set it);
 # - lightning: Trainer with DDPStrategy(process_group_backend="streamcoll");
-# - accelerate: what a CPU user can do (README, "Launching");
+# - accelerate: what a CPU user can do (docs/integration.md, "Frameworks");
 # - mpi4py + mpich: mpiexec (MPICH's hydra) and the mpi4py rendezvous.
 # streamcoll itself is installed into the venv without dependencies (a
 # regular install, not editable): its torch.backends entry point, which makes

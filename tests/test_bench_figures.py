@@ -1,10 +1,11 @@
-"""The figures the READMEs show were measured on a quiet machine (issue 26):
+"""The figures the README and docs/ show were measured on a quiet machine (issue 26):
 the sweep refuses to write a plot into ``benchmarks/results/`` (the quoted
 figures) when the load average it records says other processes had the
-cores, and every image the READMEs embed carries, in the JSON beside it, a
+cores, and every image those pages embed carries, in the JSON beside it, a
 load that the same rule accepts."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -30,7 +31,9 @@ def test_quoted_figures_need_a_quiet_machine(tmp_path):
 
 def test_readme_figures_were_made_on_a_quiet_machine():
     shown = []
-    for readme in ("README.md", os.path.join("benchmarks", "README.md")):
+    pages = ["README.md", os.path.join("benchmarks", "README.md")] + sorted(
+        os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    for readme in pages:
         with open(os.path.join(ROOT, readme)) as f:
             text = f.read()
         for img in re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", text):
@@ -44,3 +47,4 @@ def test_readme_figures_were_made_on_a_quiet_machine():
             why = figure_refusal(png, mach.get("loadavg_before"), mach.get("loadavg_after"), m["world_size"])
             assert not why, f"{readme} shows {img}, measured on a loaded machine: {why}"
     assert all(os.path.exists(p) for p in shown), shown
+    assert shown, "no page shows a figure: the check checked nothing"
