@@ -19,12 +19,14 @@ command that touches them has a timeout.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
 import os
 import shutil
 import subprocess
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 PREFIX = "sc13-"
 NETNS_DIR = "/var/run/netns"
@@ -35,6 +37,42 @@ _COUNTER = itertools.count()
 # loopback settings (scripts/test.sh) and anything else steering the libraries.
 _DROP_PREFIXES = ("CCL_", "NCCL_", "FI_", "GLOO_", "MASTER_", "TORCHELASTIC_", "STREAMCOLL_", "PYTEST_", "OMP_")
 _DROP = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK"}
+
+
+LOCK = "/run/lock/streamcoll-netns.lock"  # scripts/slurm_two_nodes.sh takes it too
+_HELD = 0
+
+
+@contextlib.contextmanager
+def _lock() -> Iterator[None]:
+    """Namespaces are made and deleted one process at a time (the suite's two
+    workers and the SLURM script: a veth's namespace argument once failed to
+    open in CI while another worker made and deleted one). Bounded: 60 s,
+    then on without it."""
+    global _HELD
+    if _HELD:  # re-entered (a failed __enter__ closes what it made): this process holds it
+        yield
+        return
+    try:
+        f = open(LOCK, "a")
+    except OSError:
+        yield
+        return
+    _HELD += 1
+    with f:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        try:
+            yield  # closing the file releases the lock
+        finally:
+            _HELD -= 1
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -49,6 +87,11 @@ def unavailable() -> Optional[str]:
     if os.geteuid() != 0:
         return "creating network namespaces needs root (ip netns add)"
     name = f"{PREFIX}{os.getpid()}-probe"
+    with _lock():
+        return _probe(name)
+
+
+def _probe(name: str) -> Optional[str]:
     try:
         r = _ip("netns", "add", name, check=False)
         if r.returncode:
@@ -133,6 +176,10 @@ class Hosts:
         return f"{self.subnet}.{i + 1}"
 
     def __enter__(self) -> "Hosts":
+        with _lock():
+            return self._make()
+
+    def _make(self) -> "Hosts":
         sweep_stale()
         try:
             for i, name in enumerate(self.names):
@@ -182,6 +229,10 @@ class Hosts:
 
     def close(self) -> None:
         """Delete every namespace this ``Hosts`` made (bounded retries)."""
+        with _lock():
+            self._delete()
+
+    def _delete(self) -> None:
         for name in reversed(self.created):
             for _ in range(5):  # bounded: a namespace still in use by a dying process may need a moment
                 if _ip("netns", "del", name, check=False).returncode == 0 or not os.path.exists(
