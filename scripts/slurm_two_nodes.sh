@@ -104,13 +104,16 @@ trap 'rc=$?; [ $rc = 0 ] || stop; exit $rc' EXIT  # a failed start leaves nothin
 # veth's `netns` argument once failed to open a namespace made just before
 # ("Invalid netns value") while another pytest worker made and deleted one.
 # Bounded retries; the last failure prints what /run/netns held.
-mkdir -p /run/lock && exec 9>/run/lock/streamcoll-netns.lock
-flock -w 60 9 || say "the namespace lock was busy for 60 s: going on without it"
+if { mkdir -p /run/lock && exec 9>/run/lock/streamcoll-netns.lock; } 2>/dev/null; then
+  flock -w 60 9 || say "the namespace lock was busy for 60 s: going on without it"
+else
+  say "no namespace lock (/run/lock/streamcoll-netns.lock): going on without it"
+fi
 made=0
 for attempt in 1 2 3; do
   for i in 0 1; do
     [ -e "/var/run/netns/${NS[$i]}" ] && timeout 20 ip netns del "${NS[$i]}" 2>/dev/null || true
-    timeout 20 ip netns add "${NS[$i]}" || { say "ip netns add failed"; exit 6; }
+    timeout 20 ip netns add "${NS[$i]}" || { say "ip netns add failed (attempt $attempt)"; exit 7; }
     mkdir -p "/etc/netns/${NS[$i]}"
     printf '127.0.0.1 localhost\n%s %s\n%s %s\n' "${ADDRS[0]}" "${NODES[0]}" "${ADDRS[1]}" "${NODES[1]}" \
       >"/etc/netns/${NS[$i]}/hosts"
@@ -118,11 +121,12 @@ for attempt in 1 2 3; do
   if err="$(timeout 20 ip link add mn0 netns "${NS[0]}" type veth peer name mn0 netns "${NS[1]}" 2>&1)"; then
     made=1; break
   fi
-  say "attempt $attempt: ip link add failed: $err; /run/netns: $(ls -la /var/run/netns/ 2>&1 | tr '\n' ' ')"
+  say "attempt $attempt: ip link add failed: $err; /run/netns: $(ls -la /var/run/netns/ 2>&1 | tr '\n' ' ');" \
+    "its mounts: $(grep netns /proc/self/mountinfo | tr '\n' ' ')"
   sleep 1
 done
 [ "$made" = 1 ] || { say "the veth pair could not be made"; exit 7; }
-flock -u 9; exec 9>&-  # the daemons started below must not inherit it
+{ flock -u 9; exec 9>&-; } 2>/dev/null || true  # the daemons started below must not inherit it
 for i in 0 1; do
   timeout 20 ip -n "${NS[$i]}" addr add "${ADDRS[$i]}/24" dev mn0
   timeout 20 ip -n "${NS[$i]}" link set lo up

@@ -240,6 +240,7 @@ def _after_fork_in_child() -> None:
     # the parent's posted ops are not the child's; a parent thread may have held the lock at fork
     _work.POSTING_LOCK = threading.RLock()
     POSTING.clear()
+    _debug.WAITING.clear()  # the parent's threads waiting in a check are not the child's
     for c in list(_LIVE):
         c._forked = True
         c._posted = []

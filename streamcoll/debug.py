@@ -187,9 +187,10 @@ def _compare(fps: List[dict], size: int) -> Tuple[Optional[str], List[int]]:
     return None, []
 
 
-# The checks waiting in the store now, one line each (watchdog.running_calls:
-# a Ctrl-C during a check names the collective, not the store's wait).
-WAITING: Dict[object, str] = {}
+# The checks waiting in the store now: (communicator, sequence number, line)
+# (watchdog.running_calls: a Ctrl-C during a check names the collective, not
+# the store's wait; cleared in a forked child).
+WAITING: Dict[object, Tuple[Any, int, str]] = {}
 
 
 class _Checker:
@@ -212,10 +213,16 @@ class _Checker:
         self.handle: Any = None
         self.sig: Optional["Signatures"] = None  # the first-call checks, set aside while this is on
 
-    def check(self, name: str, fp: dict, n: Optional[int] = None, store: Any = None) -> None:
+    def check(self, name: str, fp: dict, n: Optional[int] = None, store: Any = None,
+              seq: Optional[int] = None) -> None:
         """Check number ``n`` (default: the next one) of ``fp`` across ranks
-        (through ``store``, default the communicator's)."""
+        (through ``store``, default the communicator's). ``seq``: the call's
+        sequence number where it is not the next one (a deferred check runs
+        on the comm thread after its call took its number)."""
         comm = self.comm
+        deferred = seq is not None
+        if seq is None:
+            seq = seq
         if n is None:
             self.n += 1
             n = self.n
@@ -230,10 +237,10 @@ class _Checker:
         key = f"{self.prefix}/{self.comm_key}/{self.ns}/{{}}/{{}}"
         store.set(key.format(n, me), json.dumps(fp, default=repr))
         keys = [key.format(n, r) for r in range(size)]
-        how = "synchronous" if store is self.store else "async, comm thread"
+        how = "async, comm thread" if deferred else "synchronous"
         tag = object()
         try:  # the entry inside the try: an interrupt after it leaves no stale line
-            WAITING[tag] = (f"{name} (sequence number {comm._seq + 1}, {how}) on communicator {comm.name!r} "
+            WAITING[tag] = (comm, seq, f"{name} (sequence number {seq}, {how}) on communicator {comm.name!r} "
                             f"(rank {me} of {size}, {comm.backend}): in its {self.label} #{n}, waiting in the "
                             "store for the other ranks before any native call")
             store.wait(keys, timedelta(seconds=comm.timeout))
@@ -242,7 +249,7 @@ class _Checker:
             if not missing:
                 raise
             raise CollectiveTimeout(
-                name, comm._seq + 1, comm.timeout, [], me, size,
+                name, seq, comm.timeout, [], me, size,
                 f"{self.label} #{n}: {_ranks(missing)} never reached this collective within the timeout "
                 f"(skipped it, died or hung); this rank called {_show(fp)}") from e
         finally:
@@ -258,7 +265,7 @@ class _Checker:
         if why is not None:
             err = MismatchError(
                 f"{self.label} #{n} on communicator {comm.name!r} (rank {me} of {size}, before sequence "
-                f"number {comm._seq + 1}): {why}. No rank issued the collective; the communicator is "
+                f"number {seq}): {why}. No rank issued the collective; the communicator is "
                 f"still usable")
             err.ranks = odd
             err.calls = fps
@@ -423,9 +430,11 @@ class Signatures:
                     self._async_store = ch.store
             st = self._async_store
 
+            seq = self.comm._seq + 1  # the number this call takes right after (under the exec lock)
+
             def checked(*a: Any) -> Any:
                 try:
-                    ch.check(name, fp, n, st)
+                    ch.check(name, fp, n, st, seq)
                 except BaseException:
                     self.seen.discard(key)  # a mismatch: the same call again is checked again
                     raise

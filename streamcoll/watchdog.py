@@ -527,6 +527,9 @@ def running_calls() -> List[str]:
     """One line per native call in flight in this process now (synchronous
     calls, and async work on a CPU comm thread), for messages such as the
     one on a Ctrl-C during a stuck call."""
+    from .debug import WAITING
+    waits = list(WAITING.values())
+    checking = {(c, sq) for c, sq, _ in waits}
     out = []
     now = flight.now_ns()
     with WATCHDOG._lock:
@@ -546,12 +549,11 @@ def running_calls() -> List[str]:
                        f"{comm.name!r} (rank {comm.rank} of {comm.size}, {comm.backend}): "
                        f"{_waiting_note(run.entry)}")
         inf = fr.inflight
-        if inf is not None:
+        if inf is not None and (comm, inf.seq) not in checking:  # a deferred check's call is not in the library yet
             out.append(f"{inf.op} (sequence number {inf.seq}, async, comm thread) on communicator "
                        f"{comm.name!r} (rank {comm.rank} of {comm.size}, {comm.backend}, running for "
                        f"{(now - (inf.t_start or inf.t_enq)) / 1e9:.1f} s)")
-    from .debug import WAITING
-    out.extend(list(WAITING.values()))
+    out.extend(line for c, _, line in waits if not c.destroyed)
     from .backends import _BACKENDS
     for b in list(_BACKENDS.values()):
         ts = b.turnstile

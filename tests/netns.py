@@ -25,6 +25,8 @@ import itertools
 import os
 import shutil
 import subprocess
+import sys
+import threading
 import time
 from typing import Dict, Iterator, List, Optional, Sequence
 
@@ -40,26 +42,27 @@ _DROP = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "
 
 
 LOCK = "/run/lock/streamcoll-netns.lock"  # scripts/slurm_two_nodes.sh takes it too
-_HELD = 0
+_HELD = threading.local()  # per thread: another thread of this process waits like another process
 
 
 @contextlib.contextmanager
 def _lock() -> Iterator[None]:
     """Namespaces are made and deleted one process at a time (the suite's two
     workers and the SLURM script: a veth's namespace argument once failed to
-    open in CI while another worker made and deleted one). Bounded: 60 s,
-    then on without it."""
-    global _HELD
-    if _HELD:  # re-entered (a failed __enter__ closes what it made): this process holds it
+    open in CI while another worker made and deleted one). Re-entrant per
+    thread (a failed ``__enter__`` closes what it made). Bounded: 60 s, then
+    on without it, saying so."""
+    if getattr(_HELD, "n", 0):
         yield
         return
     try:
+        os.makedirs(os.path.dirname(LOCK), exist_ok=True)
         f = open(LOCK, "a")
-    except OSError:
+    except OSError as e:
+        print(f"[netns] no lock ({LOCK}: {e}): namespaces made without it", file=sys.stderr)
         yield
         return
-    _HELD += 1
-    with f:
+    with f:  # closing the file releases the lock
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -67,12 +70,14 @@ def _lock() -> Iterator[None]:
                 break
             except OSError:
                 if time.monotonic() > deadline:
+                    print(f"[netns] {LOCK} busy for 60 s: going on without it", file=sys.stderr)
                     break
                 time.sleep(0.05)
+        _HELD.n = 1
         try:
-            yield  # closing the file releases the lock
+            yield
         finally:
-            _HELD -= 1
+            _HELD.n = 0
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -171,13 +171,20 @@ def _worker(rank: int, size: int, port: int, conn, env: Dict[str, str], init_kwa
         fn, args, kwargs = msg
         try:
             res = fn(comm, *args, **kwargs)
-            left = _left_default_group()
-            if left:
-                raise AssertionError(left)
-            conn.send(("ok", res))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
-            _left_default_group()
-            conn.send(("error", f"{type(e).__name__}: {e}\n" + traceback.format_exc()))
+            msg = f"{type(e).__name__}: {e}\n" + traceback.format_exc()  # before the clean-up, which may hang
+            left = _left_default_group()
+            conn.send(("error", msg + (f"\n(and {left})" if left else "")))
+            if "hung" in left:
+                os._exit(1)  # the rank is not reusable: the pool replaces it
+            continue
+        left = _left_default_group()
+        if left:
+            conn.send(("error", f"AssertionError: {left}"))
+            if "hung" in left:
+                os._exit(1)
+        else:
+            conn.send(("ok", res))
     try:
         if init_kwargs is not None:
             streamcoll.destroy()
@@ -194,10 +201,22 @@ def _left_default_group() -> str:
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return ""
-    try:
-        dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001 - the report below is what matters
-        return f"the scenario left torch's default process group initialized; destroying it raised {e!r}"
+    import threading
+    raised: List[BaseException] = []
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except BaseException as e:  # noqa: BLE001 - the report below is what matters
+            raised.append(e)
+
+    th = threading.Thread(target=destroy, daemon=True)  # bounded: a group with a stuck call may never end
+    th.start()
+    th.join(10)
+    if th.is_alive():
+        return "the scenario left torch's default process group initialized; destroying it hung for 10 s"
+    if raised:
+        return f"the scenario left torch's default process group initialized; destroying it raised {raised[0]!r}"
     return "the scenario left torch's default process group initialized (destroyed here)"
 
 
