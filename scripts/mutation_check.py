@@ -112,13 +112,13 @@ FIXED: List[Mutation] = [
         why="issue 28 finding 3 (a fault-free call must go through)"),
     Mutation(
         "queued async call keeps no tensor",
-        (("streamcoll/communicator.py", "item = rt.submit(lane, self._execute_host, plan, e, here)",
+        (("streamcoll/async_launch.py", "item = rt.submit(lane, self._execute_host, plan, e, here)",
           "item = rt.submit(lane, self._execute_host, Plan(plan.fn, plan.args, plan.post, (), (), plan.cname), e, here)"),),
         ("tests/test_streams.py::test_async_results_survive_dropped_tensors[w2]",), ci=True,
         why="issue 28 finding 4 (the Work dropped too; a weak reference to the tensor)"),
     Mutation(
         "async all_reduce issues nothing (returns success)",
-        (("streamcoll/communicator.py", "item = rt.submit(lane, self._execute_host, plan, e, here)",
+        (("streamcoll/async_launch.py", "item = rt.submit(lane, self._execute_host, plan, e, here)",
           "item = rt.submit(lane, self._execute_host, Plan(lambda *a: 0, plan.args, plan.post, plan.keep, "
           "plan.outputs, plan.cname), e, here)"),),
         ("tests/test_streams.py::test_event_pool_does_not_grow_over_10k_calls",),

@@ -4,7 +4,7 @@ from typing import Any, List, Literal, Optional, Sequence, overload
 import numpy as np
 import torch
 
-from .communicator import P2POp
+from .p2p import P2POp
 from .work import Work
 
 TensorLike = torch.Tensor | np.ndarray[Any, Any]

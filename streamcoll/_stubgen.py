@@ -94,11 +94,13 @@ def _defs(s: spec.CollectiveSpec, method: bool, indent: str) -> List[str]:
 
 def stubs() -> Dict[str, str]:
     """file name (relative to the package) -> its text."""
-    meth = [_HEADER, "from .communicator import P2POp\nfrom .work import Work\n\n",
+    # P2POp from its own module: the Communicator inherits CollectiveMethods, so an
+    # import of streamcoll.communicator here would be an import circle
+    meth = [_HEADER, "from .p2p import P2POp\nfrom .work import Work\n\n",
             "TensorLike = torch.Tensor | np.ndarray[Any, Any]\n\n\n",
             "class CollectiveMethods:\n",
             '    """The collectives every Communicator has (generated from streamcoll.spec)."""\n\n']
-    mod = [_HEADER, "from .communicator import Communicator, P2POp\nfrom .work import Work\n\n",
+    mod = [_HEADER, "from .communicator import Communicator\nfrom .p2p import P2POp\nfrom .work import Work\n\n",
            "TensorLike = torch.Tensor | np.ndarray[Any, Any]\n\n",
            "__all__: List[str]\n\n"]
     for name, s in spec.TABLE.items():

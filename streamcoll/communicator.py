@@ -16,42 +16,28 @@ the event fired); with ``record_stream=True`` they are instead marked with
 
 Both strategies are written once (:mod:`streamcoll.launch`). Each collective
 method is generated from the table: the general method (any argument; bad
-input raises before any C call, so nothing is half issued) and, per
-communicator, a fast path for the synchronous common case, installed as an
-instance attribute while the communicator is eligible (no pre-launch hooks,
-not coalescing, not failed or destroyed): :meth:`_refresh_fast_paths` is
-the one place that decides.
+input raises before any C call, so nothing is half issued;
+:mod:`streamcoll.general_methods`) and, per communicator, a fast path for
+the synchronous common case, installed as an instance attribute while the
+communicator is eligible (no pre-launch hooks, not coalescing, not failed
+or destroyed): :meth:`_refresh_fast_paths` is the one place that decides.
+
+This module holds the Communicator's life cycle, hooks, failure and the
+general launch (:meth:`Communicator._launch`, the one entry of both
+strategies); its other concerns are bases of the class, each in a module of
+its own, whose methods are the Communicator's (found on the class: no Python
+frame added on any call path): :class:`~streamcoll.fast_paths.FastPaths`
+(which path a call takes), :class:`~streamcoll.p2p.PostedOps` (posted
+point-to-point ops, coalescing blocks) and, under it,
+:class:`~streamcoll.async_launch.AsyncLaunch` (the comm-stream strategy and
+the completion of its Works).
 
 Point-to-point ops with torch's semantics: ``isend``/``irecv``/
 ``batch_isend_irecv`` are *posted* (planned and validated, nothing issued)
-and a communicator's posted ops go out as one group launch (GroupStart/
-GroupEnd, in which the library progresses sends and receives together) on
-its comm stream (CPU: comm thread). Torch's rule is that a posted op
-progresses on its own and never waits behind, or blocks, an unrelated
-operation. The libraries decide how close streamcoll can come: oneCCL's CPU
-calls block the calling thread until the peers took part, and a
-communicator must not be entered by two threads at once, so a launched p2p
-group occupies its communicator's comm thread until it completed. Hence the
-rule for when posted ops are launched:
-
-- **before anything in the process blocks on other ranks**, every
-  communicator's posted ops go out (:func:`streamcoll.work.launch_posted`):
-  a synchronous call on any communicator (its fast paths are off while any
-  op is posted anywhere), creating a communicator (a rendezvous), a wait
-  (``Work.wait``/``synchronize``/``get_future``: another communicator's
-  posted ops, and the waited op's own group), destroy. A peer may be blocked
-  on an op this process posted: ``A.isend(x, 1); B.all_reduce(y)`` against
-  ``A.recv(x, 0); B.all_reduce(y)`` finishes, as on gloo;
-- before another operation is issued on the same communicator, and when a
-  coalescing block opens (issue order is cross-rank order);
-- by a status query (``is_completed()``/``is_success()``/``exception()``)
-  only when the communicator's posted ops include a send, so that a loop
-  polling an exchange terminates; **never a lone receive** (the query
-  answers False/False/None): launched by a poll, it would occupy the comm
-  thread with the send posted after it queued behind, on both ranks. So
-  both ranks may ``irecv``, poll, then ``isend`` without a deadlock, and
-  without a thread per op. A loop that only polls a lone posted receive
-  never launches it: wait on it (or issue anything that blocks).
+and a communicator's posted ops go out as one group launch on its comm
+stream (CPU: comm thread): before anything in the process blocks on other
+ranks, before another operation on the same communicator, and by a status
+query only when they include a send (the rule and why: :mod:`streamcoll.p2p`).
 
 oneCCL may not be entered by two threads of a process at once, whatever
 the communicators (measured: an async all_reduce on one communicator's comm
@@ -98,74 +84,42 @@ and the flight recorder the communicator owns (:attr:`flight`).
 """
 from __future__ import annotations
 
-import contextlib
-import functools
-import itertools
-import linecache
 import dataclasses
+import itertools
 import logging
 import os
 import threading
-import time
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import numpy as np
 import torch
 
-from . import callbacks as _callbacks
 from . import debug as _debug
-from . import profiling as _profiling
-from . import helper_threads
+from . import general_methods
 from . import recorder as _flight
 from . import spec as _spec
+from . import work as _work
 from ._methods import CollectiveMethods
 from .backends import Backend
-from .errors import CollectiveTimeout, CommunicatorError, UsageError
-from .timeouts import DEFAULT_TIMEOUT, env_timeout as _env_timeout, seconds as _seconds  # noqa: F401
-from .recorder import FlightEntry
-from .launch import build_fast_path, build_sync_launcher
-from .ops import ReduceOp
+from .env_vars import read_int
+from .errors import CollectiveTimeout, CommunicatorError
+from .fast_paths import FastPaths
+from .launch import build_sync_launcher
+from .p2p import _P2P_SYNC, _POSTED, P2POp, PostedOps  # noqa: F401  (P2POp: importable from here, as before)
 from .plans import PlanContext
 from .spec import Plan
 from .streams import Lane, runtime_for
-from . import work as _work
-from .env_vars import read_int
-from .work import POSTING, REAPER, PostedWork, Work, launch_posted
+from .sync_events import for_communicator as _sync_events_for
+from .timeouts import DEFAULT_TIMEOUT, env_timeout as _env_timeout, seconds as _seconds  # noqa: F401
+from .work import POSTING, Work, launch_posted
 
 log = logging.getLogger("streamcoll")
 
 __all__ = ["Communicator", "P2POp", "LaunchRecord", "HookHandle", "communicator_by_id"]
 
-_now = time.monotonic_ns
-_wref = weakref.ref
 _Tensor = torch.Tensor
-_SUM = ReduceOp.SUM
-
-
-# Point-to-point ops that are posted rather than launched (always
-# asynchronous: isend, irecv, batch_isend_irecv) and the synchronous ones
-# (send, recv), which join the posted ones' group; from the table.
-_POSTED = frozenset(n for n, s in _spec.TABLE.items() if s.p2p and s.async_mode == "always")
-_P2P_SYNC = frozenset(n for n, s in _spec.TABLE.items() if s.p2p and s.async_mode == "never")
-# Point-to-point ops that only receive (irecv, recv): posted alone, a status query leaves them posted.
-_RECEIVES = frozenset(n for n, s in _spec.TABLE.items() if s.p2p and s.send is None and s.recv is not None)
-
-
-class P2POp:
-    """A point-to-point operation for :meth:`Communicator.batch_isend_irecv`
-    (the fields of torch.distributed.P2POp: ``op`` is ``isend``/``irecv``
-    (streamcoll's or torch's), ``tensor``, ``peer``, ``group``, ``tag``)."""
-
-    __slots__ = ("op", "tensor", "peer", "group", "tag")
-
-    def __init__(self, op: Callable, tensor: torch.Tensor, peer: int, group: Any = None, tag: int = 0) -> None:
-        self.op = op
-        self.tensor = tensor
-        self.peer = peer
-        self.group = group
-        self.tag = tag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,41 +210,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _complete_on_device(index: Optional[int], work: Work) -> None:
-    """Complete ``work``'s future on the callback thread, with the
-    communicator's CUDA device current there (``index``; None: not CUDA),
-    as on streamcoll's other helper threads: its callbacks' CUDA work then
-    goes to that device, not to GPU 0 of every rank."""
-    if index is not None:
-        helper_threads.prepare(index)
-    work._set_future()
-
-
-def _fail_future(fut: torch.futures.Future, exc: BaseException) -> None:
-    """Set ``exc`` on ``fut`` unless it completed meanwhile (on the callback thread)."""
-    if not fut.done():
-        fut.set_exception(exc)
-
-
-def _sync_events_for(comm: Any) -> Any:
-    """The completion events of a CUDA communicator's synchronous calls
-    (:mod:`streamcoll.sync_events`), or None: not CUDA, disabled with
-    ``STREAMCOLL_SYNC_EVENTS=0``, or no CUDA runtime to record them with (a
-    warning says so: the watchdog then cannot see a sync call hang)."""
-    if comm._device.type != "cuda":
-        return None
-    from .sync_events import SyncEvents, every
-    if every() == 0:
-        return None
-    try:
-        return SyncEvents(comm._flight.capacity, comm._rt.index)
-    except Exception as e:
-        log.warning("streamcoll: communicator %r records no completion events for synchronous calls (%s); the "
-                    "watchdog cannot see such calls hang without an asynchronous error", comm.name, e)
-        return None
-
-
-class Communicator(CollectiveMethods):
+class Communicator(FastPaths, PostedOps, CollectiveMethods):
     """A communicator over ``size`` ranks on one device.
 
     Made by :func:`streamcoll.init` (or :meth:`split`); methods have the names,
@@ -443,84 +363,6 @@ class Communicator(CollectiveMethods):
         state = "destroyed" if self._destroyed else ("failed" if self._failed else "live")
         return (f"<streamcoll.Communicator {self.name} backend={self.backend} device={self._device} "
                 f"rank={self._rank} size={self._size} {state}>")
-
-    # ------------------------------------------------------------ fast paths
-    def _refresh_fast_paths(self) -> None:
-        """Decide whether the communicator may issue (``_usable``: not failed,
-        destroyed, aborted or forked) and whether a call may take the
-        generated fast path (``_fast_ok``: usable, no pre-launch hooks, not
-        coalescing, no p2p op posted anywhere in the process); install the
-        fast paths as instance attributes where it may, remove them where not.
-        The one place that decides: hooks, coalescing, posting, failure,
-        abort and destroy call it. Every launcher checks ``_usable`` and a
-        fast path reads ``_fast_ok`` under the exec lock, so a fast path
-        saved before (``f = c.all_reduce``, a ``functools.partial``) takes
-        the general path once it may not run. (While p2p ops are posted,
-        every synchronous call takes the general path, which launches them
-        first, or, for send/recv on their communicator, together with them.)"""
-        with _work.POSTING_LOCK:  # against a concurrent post turning every communicator's fast paths off
-            usable = not self._destroyed and self._failed is None and self._handle is not None and not self._forked
-            ok = usable and not self._pre_hooks and self._coalescing is None and not POSTING
-            self._usable = usable
-            self._fast_ok = ok
-            d = self.__dict__
-            if ok:
-                d.update(self._fast)
-            else:
-                for k in self._fast:
-                    d.pop(k, None)
-
-    def _build_fast_paths(self) -> None:
-        """Generate the fast paths for this communicator's state (handle,
-        sizes, :attr:`inline_async_bytes`) and install them where allowed."""
-        fast: Dict[str, Callable[..., Any]] = {}
-        for name_, s in _spec.TABLE.items():
-            if s.fast:
-                fn = build_fast_path(self, s, getattr(Communicator, name_))
-                if fn is not None:
-                    fast[name_] = fn
-                    for a in s.aliases:
-                        fast[a] = fn
-        with self._rt.exec_lock:
-            for k in self._fast:
-                self.__dict__.pop(k, None)
-            self._fast = fast
-            self._refresh_fast_paths()
-
-    @property
-    def fast_path(self) -> bool:
-        """Whether the generated synchronous fast paths are in use now (they
-        also queue the small async calls, :attr:`inline_async_bytes`)."""
-        return bool(self._fast) and next(iter(self._fast)) in self.__dict__
-
-    @property
-    def inline_async_bytes(self) -> int:
-        """The per-call strategy of CPU ``async_op=True`` calls: one whose
-        largest buffer has at most this many bytes is queued without waking
-        the comm thread and returns a pending Work at once; ``wait()``
-        without a timeout runs it on the calling thread, and a query,
-        ``wait(timeout)``, a later call behind it or the next watchdog pass
-        starts it on the comm thread (the rule: :mod:`streamcoll.work`). A
-        larger one wakes the comm thread at once, so large buckets overlap
-        with compute. Why: waking the comm thread and waiting for it costs
-        about 50-90 us on these machines (a thread wake-up each way and the
-        GIL), more than a small collective itself, and overlap cannot win
-        back more than the call's own time. 0 on GPUs (their strategies do
-        not change) and with ``STREAMCOLL_INLINE_ASYNC_BYTES=0`` (every call
-        wakes the comm thread). The default, :data:`INLINE_ASYNC_BYTES`, was
-        measured (``benchmarks/inline_async.py``). Settable per communicator
-        (bytes, an int >= 0): e.g. 0 where every async call must overlap."""
-        return self._inline_async
-
-    @inline_async_bytes.setter
-    def inline_async_bytes(self, n: int) -> None:
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise ValueError(f"inline_async_bytes: expected an int >= 0 (bytes), got {n!r}")
-        if self._gpu and n:
-            raise ValueError(f"inline_async_bytes: only the CPU queues small async calls quietly; "
-                             f"a {self._dev_type} communicator keeps 0, got {n}")
-        self._inline_async = int(n)
-        self._build_fast_paths()
 
     # ------------------------------------------------------------ hooks
     def register_pre_hook(self, hook: Callable[[LaunchRecord], Any]) -> HookHandle:
@@ -809,33 +651,6 @@ class Communicator(CollectiveMethods):
         raise TypeError(f"stream: {name} on a {self._dev_type} communicator expects a {self._dev_type} stream "
                         f"(torch.{self._dev_type}.Stream) or None, got {stream!r}")
 
-    def _post(self, name: str, plan: Plan) -> PostedWork:
-        """Post a p2p op: kept (validated, planned, nothing issued) until
-        :meth:`_flush_posted` launches every posted op as one group. Ops
-        posted under another current stream (GPU) first launch the ones
-        posted before, so each group's comm stream waits on the stream its
-        ops were posted under."""
-        rt = self._rt
-        key = rt.current_key()
-        if self._posted and key != self._posted_key:
-            self._flush_posted()
-        w = PostedWork(self, name, plan.outputs)
-        with self._post_lock:
-            first = not self._posted
-            self._posted.append((plan, w))
-            if first or self._posted_stream is None:
-                # the stream the ops are posted under, kept now: a lane made at
-                # flush time (maybe from another stream) must wait on this one
-                self._posted_stream = rt.current_stream()
-            self._posted_key = key
-        if first:
-            self._posting_changed()
-        return w
-
-    def _posted_sends(self) -> bool:
-        """Whether the posted ops include more than receives (what a status query may launch)."""
-        return any(w.op not in _RECEIVES for _, w in self._posted)
-
     def _posting_changed(self) -> None:
         """Keep :data:`streamcoll.work.POSTING` (the communicators holding
         posted ops) in step with ``_posted``; when it turns empty or
@@ -851,221 +666,6 @@ class Communicator(CollectiveMethods):
                 for c in list(_LIVE):
                     c._refresh_fast_paths()
 
-    def _flush_posted(self) -> None:
-        """Launch the posted p2p ops, all in one group (one Work, one
-        sequence number; a lone op as itself). Called before anything in the
-        process blocks on other ranks (:func:`streamcoll.work.launch_posted`:
-        a wait, a synchronous call, destroy), before another operation is
-        issued on this communicator, when a coalescing block opens. A launch
-        error is delivered to the posted ops' Works, not raised here (the
-        caller may be an unrelated collective)."""
-        with self._post_lock:
-            posted, self._posted = self._posted, []
-            key, current, self._posted_stream = self._posted_key, self._posted_stream, None
-        if not posted:
-            return
-        self._posting_changed()
-        try:
-            if len(posted) == 1:
-                plan, w = posted[0]
-                work = self._launch_async(w.op, plan, key, current)
-            else:
-                work = self._launch_async(_flight.P2P_GROUP, self._group_plan([p for p, _ in posted]), key, current)
-        except BaseException as e:  # noqa: BLE001 - handed to the Works, raised by their wait()
-            for _, w in posted:
-                w._exc = e
-            return
-        for _, w in posted:
-            w._group = work
-            w.seq = work.seq
-
-    def _group_plan(self, plans: Sequence[Plan], cname: str = "group_end") -> Plan:
-        """One plan launching ``plans`` between GroupStart and GroupEnd, their
-        post-ops after it (coalescing blocks, posted p2p ops)."""
-        posts = [p.post for p in plans if p.post is not None]
-        calls = [(p.fn, p.args, p.cname) for p in plans]
-        fn, args = self._cx.group(calls)
-        return Plan(fn, args, (lambda: [p() for p in posts]) if posts else None,
-                    tuple(t for p in plans for t in p.keep), tuple(t for p in plans for t in p.outputs),
-                    cname, any(p.p2p for p in plans))
-
-    def _run_queued_sync(self, name: str, plan: Plan) -> None:
-        """A synchronous CPU call made while async work is queued: it goes
-        behind that work through the comm thread (issue order), and the
-        caller waits. Takes the exec lock (the launcher has released it)."""
-        rt = self._rt
-        with rt.exec_lock:
-            if not self._usable:
-                self._check_usable()
-            seq, e = self._new_async_entry(name, plan)
-            item = rt.submit(None, self._execute_host, plan, e)  # type: ignore[arg-type]  # CPU: no lane
-        rt._wait_item(item, None)  # type: ignore[attr-defined]  # only the CPU runtime queues
-        if item.exc is not None:
-            raise item.exc
-        return None
-
-    def _new_async_entry(self, name: str, plan: Plan) -> tuple:
-        """Take the next sequence number and record it (exec lock held)."""
-        seq = self._seq = self._seq + 1
-        if plan.p2p:
-            self._p2p += 1
-        e = FlightEntry(seq, name, self._p2p, False, _now(), tuple(map(_wref, plan.keep)), _flight.ENQUEUED)
-        fr = self._flight
-        fr.ring[seq & fr.mask] = e
-        return seq, e
-
-    def _execute_host(self, plan: Plan, e: FlightEntry, h: Any) -> None:
-        """Run a queued plan on the CPU comm thread, stamping its flight entry."""
-        fr = self._flight
-        e.t_start = _now()
-        e.state = _flight.RUNNING
-        fr.inflight = e
-        try:
-            rc = plan.fn(*plan.args, h)
-            if rc:
-                self._raise_rc(plan.cname, rc)
-            if plan.post is not None:
-                plan.post()
-        except BaseException as x:
-            e.state = _flight.FAILED
-            e.error = f"{type(x).__name__}: {x}"
-            raise
-        finally:
-            fr.inflight = None
-        e.t_end = _now()
-        if e.state == _flight.RUNNING:  # not failed meanwhile (mark_failed)
-            e.state = _flight.COMPLETED
-
-    def _execute_device(self, plan: Plan, e: FlightEntry, h: Any) -> None:
-        """Launch a plan on a GPU comm stream (completion is the event's)."""
-        ts = self._backend.turnstile
-        if ts is None:  # NCCL: calls on different communicators may run at once; nothing on this path
-            rc = plan.fn(*plan.args, h)
-            if rc:
-                self._raise_rc(plan.cname, rc)
-        else:  # oneCCL on XPU: one call at a time in the process, in issue order (its last error too)
-            with ts.hold():
-                rc = plan.fn(*plan.args, h)
-                if rc:
-                    self._raise_rc(plan.cname, rc)
-        if plan.post is not None:
-            plan.post()
-
-    def _launch_async(self, name: str, plan: Plan, key: Any = None, current: Any = None, here: Any = False) -> Work:
-        """Queue ``plan`` on the comm stream serving ``key`` (default: the
-        caller's current stream; ``current``: that stream, where the caller's
-        current one is another: posted ops launched later) and return its Work."""
-        if not self._usable:
-            self._check_usable()  # every launcher: posted ops flushed after a failure are not launched
-        rt = self._rt
-        if self._gpu and rt.is_capturing():
-            # before a sequence number is taken: nothing was issued
-            raise UsageError(
-                f"{name}(async_op=True) during CUDA graph capture is not supported; use async_op=False "
-                "(it launches on the capturing stream)"
-            )
-        if key is None:
-            key = rt.current_key()
-        lane = self._lanes.get(key)
-        if lane is None:
-            lane = self._lanes[key] = rt.new_lane(key, current)
-        with rt.exec_lock:  # not acquire() then try: an interrupt between them would keep it (issue 33)
-            seq, e = self._new_async_entry(name, plan)
-            if self._gpu:
-                try:
-                    rt.submit(lane, self._execute_device, plan, e)
-                except BaseException as x:
-                    e.state = _flight.FAILED
-                    e.error = f"{type(x).__name__}: {x}"
-                    raise
-                ev = rt.completion_event(lane, None)
-                e.t_start = e.t_enq
-                e.state = _flight.LAUNCHED
-                e.event = ev  # the watchdog polls it
-            else:
-                item = rt.submit(lane, self._execute_host, plan, e, here)
-                ev = rt.completion_event(lane, item)
-        stash = None
-        if self._gpu:
-            if self.record_stream:
-                rt.keep_alive(plan.keep, lane)
-            else:
-                stash = REAPER.add(ev, plan.keep, self._dev_index if self._dev_type == "cuda" else None)
-        return Work(self, rt, lane, ev, seq, name, plan.outputs, stash, bool(here))
-
-    def _complete_future_when_done(self, work: Work) -> None:
-        """Complete ``work``'s future once the collective has: the comm thread
-        (CPU) or a poller (GPU) sees it done and hands the completion to the
-        callback thread (:mod:`streamcoll.callbacks`), which runs the
-        future's callbacks: they may issue collectives and wait on them."""
-        rt = self._rt
-        if rt.query(work._event):
-            work._set_future()  # done already: no callback attached yet, nothing runs but the result
-        elif hasattr(rt, "on_complete"):
-            rt.on_complete(work._event, lambda w=work: _callbacks.complete(w._set_future))
-        else:
-            # GPU: poll on a helper thread (the future completes when the GPU work has).
-            def _poll(w: Work = work) -> None:
-                try:
-                    if self._dev_type == "cuda":
-                        # the communicator's GPU (not a context on GPU 0 of every rank), in
-                        # thread-local capture mode (not invalidating a user's graph capture)
-                        helper_threads.prepare(self._dev_index)
-                    ev = w._event
-                    # until done, or failed (an NCCL kernel stuck without an abort never completes)
-                    while not rt.query(ev) and self._failed is None:
-                        time.sleep(0.0002)
-                except BaseException as e:  # the future must complete, or its waiters hang
-                    fut = w._future
-                    if fut is not None and not fut.done():
-                        _callbacks.complete(functools.partial(_fail_future, fut, e))
-                    return
-                _callbacks.complete(functools.partial(_complete_on_device, self._dev_index
-                                                      if self._dev_type == "cuda" else None, w))
-            helper_threads.Thread(target=_poll, daemon=True, name="streamcoll-future").start()
-
-    def comm_stream(self, current: Any = None) -> Any:
-        """The comm stream serving ``current`` (a stream of this device;
-        default: the caller's current stream), creating it if needed: what
-        ``async_op=True`` launches on while ``current`` is the current stream."""
-        rt = self._rt
-        if current is None or not self._gpu:
-            key = rt.current_key() if current is None else current
-            stream = None
-        else:
-            key, stream = rt.stream_handle(current), current
-        lane = self._lanes.get(key)
-        if lane is None:
-            lane = self._lanes[key] = rt.new_lane(key, stream)
-        return lane.stream
-
-    @contextlib.contextmanager
-    def coalescing(self, async_op: bool = False) -> Iterator["_Coalesced"]:
-        """Batch the collectives issued in the block into one group launch
-        (GroupStart/GroupEnd) with one Work and one sequence number. Yields a
-        handle whose ``work`` is the Work (``async_op=True``) once the block
-        exits, and whose ``wait()`` waits for it."""
-        if self._coalescing is not None:
-            raise UsageError("coalescing() blocks do not nest")
-        if self._posted:
-            self._flush_posted()  # ops posted before the block go first, as issued
-        handle = _Coalesced()
-        ops: List[tuple] = []
-        self._coalescing = ops
-        self._coalescing_thread = threading.get_ident()
-        self._refresh_fast_paths()
-        try:
-            yield handle
-        finally:
-            self._coalescing = None
-            self._coalescing_thread = None
-            self._refresh_fast_paths()
-        if ops:
-            plan = self._group_plan([p for _, p in ops])
-            # a block holding p2p ops is point to point for the flight analysis (it advances the p2p count)
-            handle.work = self._launch(_flight.COALESCED_P2P if plan.p2p else "coalesced", plan, async_op, None)
-
-    # ------------------------------------------------------------ split
     def split(self, color: Optional[int], key: int = 0, timeout: Any = None) -> Optional["Communicator"]:
         """A communicator of the ranks passing the same ``color``, ordered by
         ``(key, rank)`` (the library's CommSplit). Every rank must call it; a
@@ -1154,74 +754,4 @@ _SPLIT = _spec.CollectiveSpec(name="split", params=(_spec.ParamSpec("color", _sp
                               doc="", planner=lambda cx: None)  # type: ignore[arg-type,return-value]
 
 
-class _Coalesced:
-    """What ``Communicator.coalescing()`` yields: ``work`` after the block."""
-
-    __slots__ = ("work",)
-
-    def __init__(self) -> None:
-        self.work: Optional[Work] = None
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        return True if self.work is None else self.work.wait(timeout)
-
-
-# ------------------------------------------------------ generated methods
-def _method_source(s: _spec.CollectiveSpec) -> str:
-    sig = _spec.signature_text(s, self_=True)
-    args = ", ".join(s.param_names)
-    tup = f"({args},)" if s.params else "()"
-    a = {"param": "async_op", "never": "False", "always": "True"}[s.async_mode]
-    stream = "None" if s.returns == "work_list" or s.name == "barrier" else "stream"
-    launch = f"self._launch({s.name!r}, _planner(self._cx{', ' if args else ''}{args}), {a}, {stream})"
-    lines = [f"def {s.name}({sig}):",
-             "    if self._pre_hooks:",
-             f"        self._pre(_S, {tup}, {a})"]
-    if not s.p2p:  # the first-call check (debug.Signatures), after the planner validated the arguments
-        lines += [f"    _p = _planner(self._cx{', ' if args else ''}{args})",
-                  "    if self._sig is not None:",
-                  f"        self._sig.first(_S, {tup}, _p, {a})"]
-        launch = f"self._launch({s.name!r}, _p, {a}, {stream})"
-    if s.returns == "src":
-        peer = s.params[1].name
-        lines += [f"    {launch}", f"    return int({peer})"]
-    elif s.returns == "none":
-        lines += [f"    {launch}", "    return None"]
-    elif s.returns == "work_list":
-        lines += [f"    return [{launch}]"]
-    elif s.name == "barrier":
-        lines += [f"    w = {launch}",
-                  "    if not async_op and self._gpu and self._dev_type == 'cuda':",
-                  "        torch.cuda.current_stream(self._device).synchronize()",
-                  "    return w"]
-    else:
-        lines += [f"    return {launch}"]
-    # torch.profiler: a streamcoll:<op> event around the call while a profiler records
-    # (streamcoll.profiling; one attribute read otherwise, no frame)
-    body = "".join("    " + x + "\n" for x in lines[1:])
-    return (f"{lines[0]}\n"
-            f"    _ev = _prof(self, _S, {tup}, {a}) if _ap._is_profiler_enabled else None\n"
-            f"    try:\n{body}"
-            f"    finally:\n"
-            f"        if _ev is not None:\n"
-            f"            _ev.__exit__(None, None, None)\n")
-
-
-def _install_methods() -> None:
-    for name, s in _spec.TABLE.items():
-        src = _method_source(s)
-        filename = f"<streamcoll generated Communicator.{name}>"
-        linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-        ns: Dict[str, Any] = {"_S": s, "_planner": s.planner, "_SUM": _SUM, "_ReduceOp": ReduceOp, "torch": torch,
-                              "_ap": _profiling._ap, "_prof": _profiling.begin}
-        exec(compile(src, filename, "exec"), ns)
-        fn = ns[name]
-        fn.__doc__ = s.doc
-        fn.__qualname__ = f"Communicator.{name}"
-        fn.__module__ = __name__
-        setattr(Communicator, name, fn)
-        for a in s.aliases:
-            setattr(Communicator, a, fn)
-
-
-_install_methods()
+general_methods.install(Communicator)

@@ -114,10 +114,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .topology import RankFacts, Topology
+from typing import Dict, Iterator, List, Mapping, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 __all__ = ["APPLIED", "RELEVANT", "AGREEMENT", "MUST_AGREE", "Agreement", "Agreed", "Bound", "agree",
            "agreed_defaults", "bound", "enabled", "plan", "applied", "interface_defaults", "in_effect"]
@@ -177,6 +174,53 @@ Bound = Tuple[Tuple[str, Optional[str], str], ...]
 leave to streamcoll: ``source`` is :data:`USER` or :data:`IN_EFFECT`
 (``value`` None: in effect unset)."""
 
+
+# What this module reads of a topology and of a rank's facts, as protocols:
+# streamcoll.topology's Topology and RankFacts have these members (topology
+# imports this module, so this one names no class of it: no import circle).
+class _Route(Protocol):
+    @property
+    def iface(self) -> Optional[str]: ...
+
+
+class RankFactsLike(Protocol):
+    """What :func:`agree` and :func:`plan` read of a rank's
+    :class:`streamcoll.topology.RankFacts`."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def bound(self) -> Bound: ...
+    @property
+    def defaults(self) -> bool: ...
+    @property
+    def route(self) -> Optional[_Route]: ...
+
+
+class TopologyLike(Protocol):
+    """What this module reads of a :class:`streamcoll.topology.Topology`."""
+
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def world_oversubscribed(self) -> bool: ...
+    @property
+    def single_host(self) -> bool: ...
+    @property
+    def spans_job(self) -> bool: ...
+    @property
+    def hosts(self) -> List[List[int]]: ...
+    @property
+    def hostnames_tell_hosts_apart(self) -> bool: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def local_size(self) -> int: ...
+    @property
+    def me(self) -> RankFactsLike: ...
+    @property
+    def agreed(self) -> "Agreed": ...
+
 _LOCK = threading.Lock()
 _ACTIVE: Dict[str, str] = {}                # set by applied() now, not the user's
 _IN_EFFECT: Dict[str, Optional[str]] = {}   # oneCCL's must-agree values at its first init in this process
@@ -229,7 +273,7 @@ def interface_defaults(iface: Optional[str]) -> Dict[str, str]:
     return {"CCL_KVS_IFACE": iface, "CCL_MNIC_NAME": iface, "NCCL_SOCKET_IFNAME": "=" + iface}
 
 
-def agreed_defaults(topo: "Topology") -> Dict[str, str]:
+def agreed_defaults(topo: "TopologyLike") -> Dict[str, str]:
     """streamcoll's value of each must-agree variable for ``topo`` (absent:
     left unset, oneCCL's own); the why is in the module docstring. Computed
     from every rank's facts only, so it is the same on every rank."""
@@ -287,7 +331,7 @@ def _ranks(rs: Sequence[int]) -> str:
     return head + shown
 
 
-def agree(topo: "Topology", facts: Sequence["RankFacts"]) -> Agreed:
+def agree(topo: "TopologyLike", facts: Sequence["RankFactsLike"]) -> Agreed:
     """Every must-agree variable's value for ``topo``, from all ranks'
     ``facts`` (run once, on rank 0, by :func:`streamcoll.topology.compute`).
 
@@ -319,7 +363,7 @@ def agree(topo: "Topology", facts: Sequence["RankFacts"]) -> Agreed:
     return Agreed(values, conflicts)
 
 
-def plan(topo: "Topology", backend: str, environ: Optional[Mapping[str, str]] = None,
+def plan(topo: "TopologyLike", backend: str, environ: Optional[Mapping[str, str]] = None,
          running: Optional[Mapping[str, Optional[str]]] = None) -> Dict[str, str]:
     """What streamcoll sets around this rank's native calls for ``topo``
     (``environ``: the user's environment, default os.environ less what

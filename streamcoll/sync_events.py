@@ -30,7 +30,7 @@ import torch
 
 from .env_vars import read_int
 
-__all__ = ["SyncEvents", "every"]
+__all__ = ["SyncEvents", "every", "for_communicator"]
 
 log = logging.getLogger("streamcoll")
 
@@ -39,6 +39,23 @@ def every() -> int:
     """``STREAMCOLL_SYNC_EVENTS``: record an event after every N-th
     synchronous CUDA collective (default 1; 0 disables)."""
     return read_int("STREAMCOLL_SYNC_EVENTS", 1, minimum=0)
+
+
+def for_communicator(comm: Any) -> Optional["SyncEvents"]:
+    """The completion events of a CUDA communicator's synchronous calls, or
+    None: not CUDA, disabled with ``STREAMCOLL_SYNC_EVENTS=0``, or no CUDA
+    runtime to record them with (a warning says so: the watchdog then
+    cannot see a sync call hang)."""
+    if comm._device.type != "cuda":
+        return None
+    if every() == 0:
+        return None
+    try:
+        return SyncEvents(comm._flight.capacity, comm._rt.index)
+    except Exception as e:
+        log.warning("streamcoll: communicator %r records no completion events for synchronous calls (%s); the "
+                    "watchdog cannot see such calls hang without an asynchronous error", comm.name, e)
+        return None
 
 
 class SlotEvent:

@@ -139,8 +139,8 @@ def test_streamcolls_cuda_threads_are_helper_threads():
     """The threads that call prepare() are started as helper_threads.Thread
     (else prepare() would now do nothing on them)."""
     import inspect
-    from streamcoll import communicator, watchdog as wd, work
-    for mod, name in ((work, "streamcoll-reaper"), (wd, "streamcoll-watchdog"), (communicator, "streamcoll-future")):
+    from streamcoll import async_launch, watchdog as wd, work
+    for mod, name in ((work, "streamcoll-reaper"), (wd, "streamcoll-watchdog"), (async_launch, "streamcoll-future")):
         src = inspect.getsource(mod)
         i = src.index(f'name="{name}"')
         assert "helper_threads.Thread(" in src[max(0, i - 120):i], name
