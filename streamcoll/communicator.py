@@ -173,7 +173,7 @@ def live_count(backend: str) -> int:
 
 
 # STREAMCOLL_INLINE_ASYNC_BYTES's default (Communicator.inline_async_bytes):
-# measured with benchmarks/inline_async.py, see benchmarks/README.md.
+# measured with benchmarks/inline_async.py, see docs/benchmarks.md.
 INLINE_ASYNC_BYTES = 65536
 
 

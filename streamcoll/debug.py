@@ -222,7 +222,7 @@ class _Checker:
         comm = self.comm
         deferred = seq is not None
         if seq is None:
-            seq = seq
+            seq = comm._seq + 1
         if n is None:
             self.n += 1
             n = self.n

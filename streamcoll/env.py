@@ -69,7 +69,7 @@ ms and a 4 MB one 14-27 ms; with the values below 9 us and 0.42 ms.
   27.1; 8 rounds) and tied at 4 B. With 3 ranks on 2 cores (yielding, see
   above) timings swing by a third from round to round; nreduce led below
   1 KB, ring by up to 20% above, recursive doubling trailed: nreduce stays
-  (``benchmarks/algorithms.py``; ``benchmarks/README.md`` has the tables).
+  (``benchmarks/algorithms.py``; ``docs/benchmarks.md`` has the tables).
 - ``CCL_LOG_LEVEL=error``: oneCCL's startup warnings are about the variables
   above.
 

@@ -1,7 +1,7 @@
 """Every environment variable streamcoll reads or sets, in one table.
 
 ``python -m streamcoll info`` prints the current value of each, and the
-README's table is rendered from it (:func:`markdown`; a test keeps the two
+docs/backends-and-defaults.md's table is rendered from it (:func:`markdown`; a test keeps the two
 equal), so a variable documented in one place is documented in all. The
 *values* of the defaults streamcoll applies, and why, are in
 :mod:`streamcoll.env`; this table says which variables they are.
@@ -131,7 +131,7 @@ def names() -> List[str]:
 
 
 def markdown() -> str:
-    """The table as the README shows it."""
+    """The table as docs/backends-and-defaults.md shows it."""
     lines = ["| variable | kind | default | what it does |", "| --- | --- | --- | --- |"]
     for v in TABLE:
         default = f"`{v.default}`" if v.default else ""

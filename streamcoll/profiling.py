@@ -22,7 +22,7 @@ of tensors.
 Cost: with no profiler, one module attribute read per call on the
 generated fast paths (their condition; while profiling they fall through to
 the general methods, which record) and on the general methods; no frame.
-With a profiler, see :func:`begin` (README "Profiling").
+With a profiler, see :func:`begin` (docs/integration.md, "torch.profiler").
 """
 from __future__ import annotations
 
