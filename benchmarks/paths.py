@@ -32,6 +32,37 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import per_call_us as _per_call, single_process_defaults, write_out  # noqa: E402
 
 
+def _register_nothing(dist) -> str:
+    """A ``torch.distributed`` backend in Python that communicates nothing:
+    the control for the process-group rows (what torch's Python dispatch, a
+    Python ``ProcessGroup`` and a ``_Work`` cost with no library behind
+    them). Its name."""
+    import torch
+
+    class _Done(dist._Work):
+        def wait(self, timeout=None):
+            return True
+
+        def is_completed(self):
+            return True
+
+        def is_success(self):
+            return True
+
+    class _Nothing(dist.ProcessGroup):
+        def allreduce(self, tensors, opts=None):
+            return _Done()
+
+        def getBackendName(self):
+            return "nothing"
+
+    if "NOTHING" not in getattr(dist.Backend, "_plugins", {}):
+        dist.Backend.register_backend("nothing", lambda store, rank, size, timeout=None: _Nothing(rank, size),
+                                      devices=["cpu"])
+    del torch
+    return "nothing"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -54,6 +85,7 @@ def main(argv=None) -> int:
             fake = dist.new_group(backend="fake")
         except Exception as e:  # pragma: no cover - torch without the fake backend
             print(f"(no fake backend: {type(e).__name__}: {e})", file=sys.stderr)
+    nothing = dist.new_group(backend=_register_nothing(dist))
     comm = streamcoll.new_communicator(backend="oneccl", device="cpu", name="paths")
     t = torch.ones(1)
     lib, h = comm._lib, comm._handle
@@ -71,10 +103,15 @@ def main(argv=None) -> int:
     }
     if fake is not None:
         rows["dist.all_reduce(t) on fake"] = lambda: dist.all_reduce(t, group=fake)
+    # the floor of any Python backend (issue 35): torch's dispatch to a Python ProcessGroup whose
+    # allreduce does nothing and returns a completed Work; every row beside it in the same run
+    rows["dist.all_reduce(t) on a do-nothing Python PG"] = lambda: dist.all_reduce(t, group=nothing)
     rows["dist.all_reduce(t) on gloo"] = lambda: dist.all_reduce(t, group=gloo)
     asyncs = {
         "comm.all_reduce(t, async_op=True).wait()": lambda: comm.all_reduce(t, async_op=True).wait(),
         "dist async + wait on streamcoll": lambda: dist.all_reduce(t, async_op=True).wait(),
+        "dist async + wait on a do-nothing Python PG": lambda: dist.all_reduce(t, group=nothing,
+                                                                             async_op=True).wait(),
         "dist async + wait on gloo": lambda: dist.all_reduce(t, group=gloo, async_op=True).wait(),
     }
     rows.update(asyncs)
