@@ -265,13 +265,17 @@ class CpuRuntime(Runtime):
                 if self._queue and self.running is None:
                     self._work_cv.notify()
             return
-        if not self._mutex.acquire(False):
+        # Not acquire(False) then try: an interrupt (a signal handler's, a
+        # tracer's) between a successful acquire and the try leaked the lock
+        # and hung every later call (seen in the interrupt tier, a Work
+        # finalised at an interrupt point). ``with`` takes it atomically;
+        # locked() first keeps a finaliser running inside this lock's own
+        # critical section from blocking on it.
+        if self._mutex.locked():
             return
-        try:
+        with self._mutex:
             if self._queue and self.running is None:
                 self._work_cv.notify()
-        finally:
-            self._mutex.release()
 
     def _enqueue(self, item: _Item) -> None:
         """Queue ``item`` with its ticket (issue 33). The comm thread is
