@@ -66,19 +66,41 @@ class StreamcollWork(dist._Work):
     once the collective completed, and ``is_completed()`` is True from then on.
     """
 
-    def __init__(self, work: Any, outputs: Sequence[torch.Tensor], op: str,
-                 timeout: Optional[float] = None) -> None:
-        super().__init__()
-        self._work = work
-        self._outputs = list(outputs)
-        self._op = op
-        self._timeout = timeout  # seconds a wait() without its own timeout waits (barrier's opts.timeout)
-        self._fut: Optional[torch.futures.Future] = None
+    # Class-level defaults: the generated fast paths (``_pg_source``) build a
+    # Work with torch's own constructor and set only ``_work``, ``_outputs``
+    # and ``_op`` (a Python ``__init__`` is half a microsecond per call, issue 35).
+    _work: Any = None
+    _outputs: Sequence[torch.Tensor] = ()
+    _op = "collective"
+    _timeout: Optional[float] = None  # seconds a wait() without its own timeout waits (barrier's opts.timeout)
+    _fut: Optional[torch.futures.Future] = None
+
+    # torch's constructor alone (no Python ``__init__``): :meth:`over` and the
+    # generated fast paths set the fields.
+    __init__ = dist._Work.__init__  # type: ignore[assignment]
+
+    @classmethod
+    def over(cls, work: Any, outputs: Sequence[torch.Tensor], op: str,
+             timeout: Optional[float] = None) -> "StreamcollWork":
+        """The Work over streamcoll Work ``work`` (None: completed) whose
+        result is ``outputs``; ``timeout``: seconds a ``wait()`` without its
+        own timeout waits (a barrier's ``opts.timeout``)."""
+        w = cls()
+        w._work = work
+        w._outputs = list(outputs)
+        w._op = op
+        if timeout is not None:
+            w._timeout = timeout
+        return w
 
     def wait(self, timeout: Any = None) -> bool:
-        if self._work is not None:
-            t = _seconds(timeout)
-            self._work.wait(self._timeout if t is None else t)
+        w = self._work
+        if w is not None:
+            if timeout is None and self._timeout is None:
+                w.wait()
+            else:
+                t = _seconds(timeout)
+                w.wait(self._timeout if t is None else t)
         return True
 
     def synchronize(self) -> None:
@@ -136,7 +158,11 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         self._comms: Dict[str, Communicator] = {}  # device type -> its communicator
         self._lock = threading.Lock()
         self._coalescing: Optional[tuple] = None
-        self._last_device: Optional[torch.device] = None
+        self._last_comm: Optional[Communicator] = None  # the last collective's (a barrier's device)
+        # What the generated fast paths read (``_refresh_fast``): the cpu communicator, and the
+        # others by device type, while the group is usable and not coalescing; else None / {}.
+        self._fast_cpu: Optional[Communicator] = None
+        self._fast_other: Dict[str, Communicator] = {}
         self._group_name: Optional[str] = None
         self._failed: Optional[BaseException] = None  # why the group is unusable (abort), or None
         self._world = False  # init_process_group's group (create_process_group sets it)
@@ -241,6 +267,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
                             f"creates its communicator on every rank together, and not every rank reached "
                             f"this {op} (store: {e})") from e
                     self._comms[key] = c
+                    self._refresh_fast()
                     return c
         have = getattr(c, "device", None)
         if dev.index is not None and isinstance(have, torch.device) and have.index is not None \
@@ -248,6 +275,21 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
             raise ValueError(f"device: this process's streamcoll group serves {have} (one device per process "
                              f"and device type); got a tensor on {dev}")
         return c
+
+    def _refresh_fast(self) -> None:
+        """Point the generated fast paths at the communicators they may use:
+        all of them while the group is usable and not coalescing, none
+        otherwise (every call then takes the general lines, which raise,
+        queue or create). Called wherever one of those changes."""
+        comms = self._comms if self._failed is None and self._coalescing is None else {}
+        self._fast_other = {k: c for k, c in comms.items() if k != "cpu"}
+        self._fast_cpu = comms.get("cpu")
+
+    def _fast_accel(self, t: torch.Tensor) -> Optional[Communicator]:
+        """A fast path's communicator for a non-cpu tensor: its device type's,
+        if that serves the tensor's device index; else None (general path)."""
+        c = self._fast_other.get(t.device.type) if self._fast_other else None
+        return c if c is not None and t.get_device() == c.device.index else None
 
     def _failed_error(self, op: str) -> CommunicatorError:
         return CommunicatorError(f"{op}: this streamcoll process group cannot be used: {self._failed}; "
@@ -259,8 +301,9 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         dev = t.device
         if dev.type not in ("cpu", "cuda", "xpu"):
             raise ValueError(f"{name}: the streamcoll backend supports cpu, cuda and xpu tensors, got {dev}")
-        self._last_device = dev
-        return self.communicator(dev, op)
+        c = self.communicator(dev, op)
+        self._last_comm = c
+        return c
 
     @staticmethod
     def _one(tensors: Any, name: str) -> torch.Tensor:
@@ -278,7 +321,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         return bool(getattr(opts, "asyncOp", True))
 
     def _work(self, w: Any, outputs: Sequence[torch.Tensor], op: str) -> StreamcollWork:
-        return StreamcollWork(w, outputs, op)
+        return StreamcollWork.over(w, outputs, op)
 
     def _run(self, comm: Communicator, op: str, outputs: Sequence[torch.Tensor], opts: Any,
              launch: Callable[[bool], Any]) -> StreamcollWork:
@@ -343,8 +386,8 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         bound = getattr(self, "bound_device_id", None)
         if bound is not None:
             return torch.device(bound)
-        if self._last_device is not None:
-            return self._last_device
+        if self._last_comm is not None:
+            return self._last_comm.device
         if dev is not None:
             return torch.device(dev)
         return torch.device("cpu")
@@ -368,7 +411,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
             return self._work(c.barrier(self._async(opts)), [], "barrier")
         w = c.barrier(True)
         if self._async(opts):
-            return StreamcollWork(w, [], "barrier", timeout=t)
+            return StreamcollWork.over(w, [], "barrier", timeout=t)
         w.synchronize(t)  # the host waits, as the synchronous barrier does (CUDA too)
         return self._work(None, [], "barrier")
 
@@ -395,6 +438,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         cm = c.coalescing(async_op=True)
         h = cm.__enter__()
         self._coalescing = (cm, h, [])
+        self._refresh_fast()
 
     def end_coalescing(self, device: Any) -> StreamcollWork:
         """Launch the collectives batched since :meth:`start_coalescing`; one Work."""
@@ -402,6 +446,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
             raise RuntimeError("end_coalescing: start_coalescing was not called")
         cm, h, outs = self._coalescing
         self._coalescing = None
+        self._refresh_fast()
         cm.__exit__(None, None, None)
         return self._work(h.work, outs, "coalesced")
 
@@ -421,6 +466,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         if self._failed is None:
             self._failed = CommunicatorError("process group was shut down")
         comms, self._comms = list(self._comms.values()), {}
+        self._refresh_fast()
         for c in comms:
             c.destroy()
 
@@ -432,6 +478,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         would wait on for the group's whole timeout."""
         if self._failed is None:
             self._failed = CommunicatorError("process group was aborted")
+        self._refresh_fast()
         for c in list(self._comms.values()):
             if not c.abort():
                 c.mark_failed(RuntimeError("process group aborted"))
@@ -491,6 +538,20 @@ def _timed(work: StreamcollWork, timeout: Any) -> StreamcollWork:
     return work
 
 
+# Option reads inlined for torch's option objects (issue 35): ``opts.reduceOp``
+# builds a new ReduceOp per read, and comparing it with SUM is a fraction of
+# ``_op``'s canonicalisation; any other spelling goes through the function.
+_INLINE = {
+    "_op(opts)": "_SUM if type(opts) in _ROPTS and opts.reduceOp == _SUM else _op(opts)",
+    "_op(opts, op)": "_SUM if op is None and type(opts) in _ROPTS and opts.reduceOp == _SUM else _op(opts, op)",
+    "_root(opts)": "opts.rootRank if type(opts) in _RTOPTS else _root(opts)",
+}
+_ROPTS = tuple(getattr(dist, n) for n in ("AllreduceOptions", "ReduceOptions", "ReduceScatterOptions")
+               if hasattr(dist, n))
+_RTOPTS = tuple(getattr(dist, n) for n in ("BroadcastOptions", "ReduceOptions", "GatherOptions", "ScatterOptions")
+                if hasattr(dist, n))
+
+
 def _pg_source(s: Any) -> List[str]:
     """The ProcessGroup method(s) serving collective ``s``, from its declaration."""
     m = s.pg_map
@@ -500,6 +561,7 @@ def _pg_source(s: Any) -> List[str]:
             # _one(x, 'x') inline for the usual one-tensor list (a frame less per call)
             expr = re.sub(r"^_one\((\w+), '(\w+)'\)$",
                           r"\1[0] if type(\1) is list and len(\1) == 1 else _one(\1, '\2')", m[p.name])
+            expr = _INLINE.get(expr, expr)
             lines.append(f"    {p.name} = {expr}")
     # the device: the first input tensor, else the first tensor, else element 0 of the first input list
     first = next((p for p in s.buffers if p.name in m and p.kind == "tensor" and not p.role == "out"), None) \
@@ -524,12 +586,13 @@ def _pg_source(s: Any) -> List[str]:
         # on that device; the Work is made here. Anything else: the general
         # lines below (which create the communicator, check the device, raise).
         lines.insert(len(lines) - 1,
-                     f"    if (self._failed is None and self._coalescing is None and type({dev}) is _Tensor\n"
-                     f"            and (c := self._comms.get((d := {dev}.device).type)) is not None\n"
-                     f"            and d.index == c._dev_index):\n"
-                     f"        self._last_device = d\n"
-                     f"        w = _Work(c.{s.name}({args}, bool(getattr(opts, 'asyncOp', True))), {outs}, "
-                     f"{s.pg[0]!r})\n"
+                     f"    if type({dev}) is _Tensor and (c := self._fast_cpu if {dev}.is_cpu "
+                     f"else self._fast_accel({dev})) is not None:\n"
+                     f"        self._last_comm = c\n"
+                     f"        w = _Work()\n"
+                     f"        w._work = c.{s.name}({args}, getattr(opts, 'asyncOp', True))\n"
+                     f"        w._outputs = {outs}\n"
+                     f"        w._op = {s.pg[0]!r}\n"
                      + (f"        return w if timeout is None else _timed(w, timeout)" if timed else "        return w"))
     if s.async_mode == "always":
         call = f"self._work(c.{s.name}({args}), {outs}, {s.pg[0]!r})"
@@ -549,7 +612,8 @@ def _install_pg_methods() -> None:
         filename = f"<streamcoll generated ProcessGroupStreamcoll.{s.pg[0]}>"
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
         ns: Dict[str, Any] = {"_one": _one, "_op": _op, "_root": _root, "_nonempty": _nonempty, "_timed": _timed,
-                              "_Tensor": torch.Tensor, "_Work": StreamcollWork}
+                              "_Tensor": torch.Tensor, "_Work": StreamcollWork,
+                              "_SUM": dist.ReduceOp.SUM, "_ROPTS": _ROPTS, "_RTOPTS": _RTOPTS}
         exec(compile(src, filename, "exec"), ns)
         fn = ns[s.pg[0]]
         fn.__doc__ = f"torch.distributed's {s.pg[0]} on streamcoll's {s.name}."

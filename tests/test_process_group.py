@@ -403,7 +403,7 @@ def test_ddp_matches_gloo(w2):
 def test_work_wrapper_semantics():
     """StreamcollWork over an already-completed collective (work=None)."""
     t = torch.ones(2)
-    w = StreamcollWork(None, [t], "allreduce")
+    w = StreamcollWork.over(None, [t], "allreduce")
     assert w.is_completed() and w.is_success() and w.exception() is None
     assert w.wait() is True
     assert w.get_future().value()[0] is t
