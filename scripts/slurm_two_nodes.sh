@@ -59,6 +59,14 @@ stop() {
     [ -n "$pid" ] && kill "$pid" 2>/dev/null || true
     rm -f "$D/munged.pid"
   fi
+  # the namespaces go under the suite's namespace lock, as they were made (fd 8: start holds 9)
+  # (not when start itself holds it: a failed start's trap; a second open would wait on it)
+  local locked=0
+  if [ "${HOLDING_NETNS_LOCK:-0}" = 1 ]; then
+    :
+  elif { mkdir -p /run/lock && exec 8>/run/lock/streamcoll-netns.lock; } 2>/dev/null; then
+    flock -w 60 8 && locked=1 || say "the namespace lock was busy for 60 s: deleting without it"
+  fi
   for ns in "${NS[@]}"; do
     for _ in 1 2 3 4 5; do
       [ -e "/var/run/netns/$ns" ] || break
@@ -67,6 +75,7 @@ stop() {
     done
     rm -rf "/etc/netns/$ns"
   done
+  [ "$locked" = 1 ] && { flock -u 8; exec 8>&-; } 2>/dev/null || true
 }
 
 case "$CMD" in
@@ -105,7 +114,7 @@ trap 'rc=$?; [ $rc = 0 ] || stop; exit $rc' EXIT  # a failed start leaves nothin
 # ("Invalid netns value") while another pytest worker made and deleted one.
 # Bounded retries; the last failure prints what /run/netns held.
 if { mkdir -p /run/lock && exec 9>/run/lock/streamcoll-netns.lock; } 2>/dev/null; then
-  flock -w 60 9 || say "the namespace lock was busy for 60 s: going on without it"
+  flock -w 60 9 && HOLDING_NETNS_LOCK=1 || say "the namespace lock was busy for 60 s: going on without it"
 else
   say "no namespace lock (/run/lock/streamcoll-netns.lock): going on without it"
 fi
@@ -127,6 +136,7 @@ for attempt in 1 2 3; do
 done
 [ "$made" = 1 ] || { say "the veth pair could not be made"; exit 7; }
 { flock -u 9; exec 9>&-; } 2>/dev/null || true  # the daemons started below must not inherit it
+HOLDING_NETNS_LOCK=0
 for i in 0 1; do
   timeout 20 ip -n "${NS[$i]}" addr add "${ADDRS[$i]}/24" dev mn0
   timeout 20 ip -n "${NS[$i]}" link set lo up
