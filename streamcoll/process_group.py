@@ -499,7 +499,9 @@ def _nonempty(tensors: Any, name: str) -> Any:
 # new RedOpType on every access, which no fast path can recognise by
 # identity (issue 25: every process-group call took the general path, and
 # the planner re-derived the reduction from the unhashable op each time).
-_CANONICAL = {getattr(dist.ReduceOp, n): getattr(dist.ReduceOp, n)
+# Keyed by the enum's int: hashing a RedOpType costs a microsecond, int() a
+# fifth of that (issue 35).
+_CANONICAL = {int(getattr(dist.ReduceOp, n)): getattr(dist.ReduceOp, n)
               for n in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
               if hasattr(dist.ReduceOp, n)}
 
@@ -516,7 +518,7 @@ def _op(opts: Any, op: Any = None) -> Any:
             return dist.ReduceOp.SUM
         op = opts if isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)) else opts.reduceOp
     if type(op) is dist.ReduceOp:  # not RedOpType (which isinstance counts as one too)
-        return _CANONICAL.get(getattr(op, "op", None), op)
+        return _CANONICAL.get(int(op.op), op)
     return op
 
 
