@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import needs_oneccl
+from workloads import fsdp2_train
 from world import World, free_port
 
 pytestmark = [needs_oneccl, pytest.mark.world, pytest.mark.slow, pytest.mark.xdist_group("fresh_world")]
@@ -137,23 +138,8 @@ def _hsdp(r, n):
     """FSDP2 over a 2-D mesh (replicate x shard): HSDP's reduce-scatter
     inside a shard group and all-reduce across the replicate dimension."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    for m in model:
-        if isinstance(m, torch.nn.Linear):
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(100 + r)
-    for _ in range(2):
-        x = torch.randn(4, 8, generator=g)
-        loss = model(x).pow(2).sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return {"params": [p.full_tensor().detach().clone() for p in model.parameters()]}
+    return {"params": fsdp2_train(mesh, r, 2)}
 
 
 def _orders_differ(r, n):

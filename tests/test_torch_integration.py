@@ -18,6 +18,7 @@ import streamcoll  # noqa: F401  (importing registers the backend)
 from streamcoll.process_group import ProcessGroupStreamcoll
 
 from conftest import get_world, needs_oneccl
+from workloads import fsdp2_train
 from world import World, free_port, settle_gloo
 
 pytestmark = [needs_oneccl, pytest.mark.world]
@@ -33,7 +34,6 @@ def _machinery(comm, backend: str, port: int, compile_backend: str):
     collectives on ``backend``; returns plain tensors and values."""
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     r, n = comm.rank, comm.size
@@ -44,21 +44,7 @@ def _machinery(comm, backend: str, port: int, compile_backend: str):
         out["name"] = (pg.group_name, dist.distributed_c10d._get_process_group_name(pg), pg.group_desc)
         mesh = init_device_mesh("cpu", (n,))
 
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-        for m in model:
-            if isinstance(m, torch.nn.Linear):
-                fully_shard(m, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        g = torch.Generator().manual_seed(100 + r)
-        for _ in range(3):
-            x = torch.randn(4, 8, generator=g)
-            loss = model(x).pow(2).sum()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        out["fsdp"] = [p.full_tensor().detach().clone() for p in model.parameters()]
+        out["fsdp"] = fsdp2_train(mesh, r, 3)
 
         a = torch.arange(16, dtype=torch.float32).reshape(4, 4) / 7 + 0.5
         d = distribute_tensor(a, mesh, [Shard(0)])
