@@ -518,7 +518,7 @@ def _op(opts: Any, op: Any = None) -> Any:
             return dist.ReduceOp.SUM
         op = opts if isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)) else opts.reduceOp
     if type(op) is dist.ReduceOp:  # not RedOpType (which isinstance counts as one too)
-        return _CANONICAL.get(int(op.op), op)
+        return _CANONICAL.get(int(op.op), op)  # type: ignore[attr-defined]  # torch's stub lacks .op
     return op
 
 
