@@ -194,8 +194,10 @@ class _TryLock:
     __slots__ = ("_acquire",)
     __enter__ = property(operator.attrgetter("_acquire"))
 
-    def __init__(self, lock: Any) -> None:
-        self._acquire = functools.partial(lock.acquire, False)
+    def __init__(self, lock: Any, timeout: float = 0.0) -> None:
+        """``timeout`` > 0: wait up to that long for it (an interrupt while it waits: not taken)."""
+        self._acquire = (functools.partial(lock.acquire, True, timeout) if timeout > 0
+                         else functools.partial(lock.acquire, False))
 
     def __exit__(self, *exc: Any) -> None:
         return None  # the body released the lock, if it took it
