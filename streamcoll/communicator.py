@@ -110,7 +110,7 @@ from .launch import build_sync_launcher
 from .p2p import _P2P_SYNC, _POSTED, P2POp, PostedOps  # noqa: F401  (P2POp: importable from here, as before)
 from .plans import PlanContext
 from .spec import Plan
-from .streams import Lane, runtime_for
+from .streams import Lane, _TryLock, runtime_for
 from .sync_events import for_communicator as _sync_events_for
 from .timeouts import DEFAULT_TIMEOUT, env_timeout as _env_timeout, seconds as _seconds  # noqa: F401
 from .work import POSTING, Work, launch_posted
@@ -497,18 +497,20 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
             raise handle_timeout(self, op, seq, t, shapes,
                                  "destroy: queued asynchronous work did not finish; native communicator left allocated")
         lock = self._rt.exec_lock  # not under another thread's launch or the watchdog's query
-        if not lock.acquire(timeout=ABORT_LOCK_WAIT_S):
-            log.warning("streamcoll: destroy(%s): another thread is inside a call on it; the native communicator "
-                        "is left allocated (freeing it under that call would crash)", self.name)
-            return
-        try:
-            handle, self._handle = self._handle, None
-            self._refresh_fast_paths()
-            self._lanes.clear()
-            if self._sync_events is not None:
-                self._sync_events.close()
-        finally:
-            lock.release()
+        # not acquire() then try: an interrupt at that call's end kept the lock (streams._TryLock)
+        with _TryLock(lock, ABORT_LOCK_WAIT_S) as got:
+            if not got:
+                log.warning("streamcoll: destroy(%s): another thread is inside a call on it; the native "
+                            "communicator is left allocated (freeing it under that call would crash)", self.name)
+                return
+            try:
+                handle, self._handle = self._handle, None
+                self._refresh_fast_paths()
+                self._lanes.clear()
+                if self._sync_events is not None:
+                    self._sync_events.close()
+            finally:
+                lock.release()
         if handle is not None:
             wait = max(t, ABORT_LOCK_WAIT_S)
             if self._backend.turnstile is not None and any(
@@ -553,20 +555,20 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
             # abort is for: after ABORT_LOCK_WAIT_S it aborts without the lock,
             # as ncclCommAbort allows from another thread.
             lock = self._rt.exec_lock
-            got = lock.acquire(timeout=ABORT_LOCK_WAIT_S)
-            try:
-                if self._handle is None:
-                    return False  # another thread aborted it meanwhile
-                ok = self._backend.abort(self._handle)
-                if ok:
-                    self._handle = None
-                    self._destroyed = True
-                    self._refresh_fast_paths()
-                    if self._sync_events is not None:
-                        self._sync_events.close()
-            finally:
-                if got:
-                    lock.release()
+            with _TryLock(lock, ABORT_LOCK_WAIT_S) as got:  # not got = acquire() then try (see destroy)
+                try:
+                    if self._handle is None:
+                        return False  # another thread aborted it meanwhile
+                    ok = self._backend.abort(self._handle)
+                    if ok:
+                        self._handle = None
+                        self._destroyed = True
+                        self._refresh_fast_paths()
+                        if self._sync_events is not None:
+                            self._sync_events.close()
+                finally:
+                    if got:
+                        lock.release()
         if not ok and busy:
             from .watchdog import skip_native_teardown
             skip_native_teardown()

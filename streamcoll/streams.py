@@ -24,6 +24,8 @@ released.
 from __future__ import annotations
 
 import collections
+import functools
+import operator
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -177,6 +179,30 @@ class _Item:
         self.callbacks: Optional[list] = None
 
 
+class _TryLock:
+    """``with _TryLock(lock) as got:`` takes ``lock`` only if it is free
+    (``got``), never waiting; the body releases it (``if got: try: ...
+    finally: lock.release()``). The acquire is made by the ``with`` itself,
+    C code all the way (``__enter__`` is a property whose getter,
+    ``operator.attrgetter``, hands ``BEFORE_WITH`` a
+    ``functools.partial(lock.acquire, False)``), so there is no point where
+    CPython delivers an interrupt (a call's end, a function's entry, a back
+    edge) between a successful acquire and the body's ``try``: only the store
+    of ``got`` and its test. (``acquire(False)`` as a call: an interrupt at
+    that call's end, before its result is stored, leaks the lock.)"""
+
+    __slots__ = ("_acquire",)
+    __enter__ = property(operator.attrgetter("_acquire"))
+
+    def __init__(self, lock: Any, timeout: float = 0.0) -> None:
+        """``timeout`` > 0: wait up to that long for it (an interrupt while it waits: not taken)."""
+        self._acquire = (functools.partial(lock.acquire, True, timeout) if timeout > 0
+                         else functools.partial(lock.acquire, False))
+
+    def __exit__(self, *exc: Any) -> None:
+        return None  # the body released the lock, if it took it
+
+
 class CpuEvent:
     """Passed when the comm thread has finished the item it marks."""
 
@@ -218,6 +244,7 @@ class CpuRuntime(Runtime):
         self._name = name
         self._queue: collections.deque = collections.deque()
         self._mutex = lock = threading.Lock()  # the lock of the conditions (taken bare where none is used: cheaper)
+        self._try_mutex = _TryLock(lock)  # nudge(blocking=False): taken only if free, never waited for
         self._cond = threading.Condition(lock)  # what queueing notifies (nobody waits on it)
         # The comm thread waits for work on _work_cv, waiters of items on
         # _done_cv (_waiters counts them), one lock: queueing quietly and a
@@ -265,17 +292,20 @@ class CpuRuntime(Runtime):
                 if self._queue and self.running is None:
                     self._work_cv.notify()
             return
-        # Not acquire(False) then try: an interrupt (a signal handler's, a
-        # tracer's) between a successful acquire and the try leaked the lock
-        # and hung every later call (seen in the interrupt tier, a Work
-        # finalised at an interrupt point). ``with`` takes it atomically;
-        # locked() first keeps a finaliser running inside this lock's own
-        # critical section from blocking on it.
-        if self._mutex.locked():
-            return
-        with self._mutex:
-            if self._queue and self.running is None:
-                self._work_cv.notify()
+        # A finaliser never waits for the lock: the thread it runs on may
+        # hold a lock that a thread inside a _mutex section waits for (fail()
+        # cancels tickets under the turnstile's lock; _spawn starts a thread
+        # under threading's). So not ``locked()`` then ``with``: the GIL can
+        # pass between them (a deadlock, tests/test_finalizer_nudge.py); and
+        # not ``acquire(False)`` then ``try``: an interrupt at the end of
+        # that call leaked the lock (the interrupt tier). _TryLock: see there.
+        with self._try_mutex as got:
+            if got:
+                try:
+                    if self._queue and self.running is None:
+                        self._work_cv.notify()
+                finally:
+                    self._mutex.release()
 
     def _enqueue(self, item: _Item) -> None:
         """Queue ``item`` with its ticket (issue 33). The comm thread is

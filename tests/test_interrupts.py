@@ -247,7 +247,12 @@ def run_scenario(name: str, limit: int) -> Dict[str, Any]:
             continue
         finally:
             sys.settrace(None)
-        _reap(comms + [st.get("victim")])
+        victim = st.get("victim")  # destroyed (or not, interrupted): its exec lock is free all the same
+        if victim is not None and not repr(victim._rt.exec_lock).startswith("<unlocked"):
+            out["failures"].append(f"k={k} at {it.where}: the destroyed communicator's exec lock left held: "
+                                   f"{victim._rt.exec_lock!r}")
+            break
+        _reap(comms + [victim])
         bad = _consistent(comms)
         if bad is None:
             try:
