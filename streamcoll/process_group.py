@@ -280,10 +280,17 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         """Point the generated fast paths at the communicators they may use:
         all of them while the group is usable and not coalescing, none
         otherwise (every call then takes the general lines, which raise,
-        queue or create). Called wherever one of those changes."""
+        queue or create). Called wherever one of those changes.
+
+        Checked again after publishing: ``abort()``/``shutdown()`` from
+        another thread may set ``_failed`` (then refresh) between the check
+        and the assignments of a refresh after a communicator's creation;
+        either its refresh comes after ours, or ours sees ``_failed``."""
         comms = self._comms if self._failed is None and self._coalescing is None else {}
         self._fast_other = {k: c for k, c in comms.items() if k != "cpu"}
         self._fast_cpu = comms.get("cpu")
+        if comms and (self._failed is not None or self._coalescing is not None):
+            self._fast_other, self._fast_cpu = {}, None
 
     def _fast_accel(self, t: torch.Tensor) -> Optional[Communicator]:
         """A fast path's communicator for a non-cpu tensor: its device type's,
