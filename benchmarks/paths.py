@@ -4,8 +4,10 @@ or a framework takes, in one process, interleaved round by round.
 Rows: the raw C call (streamcoll's cffi binding, the communicator's handle),
 ``comm.all_reduce(t)``, ``dist.all_reduce(t)`` on the ``"streamcoll"``
 backend, on torch's ``fake`` backend (torch's own dispatch, no
-communication; world size 1 only) and on gloo, then the async forms
-(``...(t, async_op=True).wait()``). One process group per backend in the
+communication; world size 1 only), on two Python backends that are the
+controls of the process-group rows (issue 35: one does nothing, the other
+makes the raw C call and nothing else, the floor of any Python backend over
+oneCCL) and on gloo, then the async forms (``...(t, async_op=True).wait()``). One process group per backend in the
 same processes (the default one is streamcoll's; gloo and fake are
 ``new_group``s), so every row sees the same machine state.
 
@@ -32,12 +34,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import per_call_us as _per_call, single_process_defaults, write_out  # noqa: E402
 
 
-def _register_nothing(dist) -> str:
+def _register_nothing(dist, call=None, name: str = "nothing") -> str:
     """A ``torch.distributed`` backend in Python that communicates nothing:
     the control for the process-group rows (what torch's Python dispatch, a
     Python ``ProcessGroup`` and a ``_Work`` cost with no library behind
-    them). Its name."""
-    import torch
+    them). With ``call``, its ``allreduce`` calls ``call()`` (the raw C call)
+    and nothing else: the floor of any Python backend over that call,
+    including what torch's code costs when it runs right after oneCCL's
+    (issue 35). Its name."""
 
     class _Done(dist._Work):
         def wait(self, timeout=None):
@@ -50,17 +54,21 @@ def _register_nothing(dist) -> str:
             return True
 
     class _Nothing(dist.ProcessGroup):
-        def allreduce(self, tensors, opts=None):
-            return _Done()
+        if call is None:
+            def allreduce(self, tensors, opts=None):
+                return _Done()
+        else:
+            def allreduce(self, tensors, opts=None):
+                call()
+                return _Done()
 
         def getBackendName(self):
-            return "nothing"
+            return name
 
-    if "NOTHING" not in getattr(dist.Backend, "_plugins", {}):
-        dist.Backend.register_backend("nothing", lambda store, rank, size, timeout=None: _Nothing(rank, size),
+    if name.upper() not in getattr(dist.Backend, "_plugins", {}):
+        dist.Backend.register_backend(name, lambda store, rank, size, timeout=None: _Nothing(rank, size),
                                       devices=["cpu"])
-    del torch
-    return "nothing"
+    return name
 
 
 def main(argv=None) -> int:
@@ -96,6 +104,7 @@ def main(argv=None) -> int:
     null = ffi.NULL
     raw_fn = getattr(lib, comm._backend.funcs["all_reduce"])
 
+    raw = dist.new_group(backend=_register_nothing(dist, lambda: raw_fn(ptr, ptr, 1, dt, op, h, null), "rawcall"))
     rows: Dict[str, Callable[[], object]] = {
         "raw C call": lambda: raw_fn(ptr, ptr, 1, dt, op, h, null),
         "comm.all_reduce(t)": lambda: comm.all_reduce(t),
@@ -106,6 +115,8 @@ def main(argv=None) -> int:
     # the floor of any Python backend (issue 35): torch's dispatch to a Python ProcessGroup whose
     # allreduce does nothing and returns a completed Work; every row beside it in the same run
     rows["dist.all_reduce(t) on a do-nothing Python PG"] = lambda: dist.all_reduce(t, group=nothing)
+    # ... and whose allreduce makes the raw C call: any Python backend over oneCCL's call, at its floor
+    rows["dist.all_reduce(t) on a raw-C-call Python PG"] = lambda: dist.all_reduce(t, group=raw)
     rows["dist.all_reduce(t) on gloo"] = lambda: dist.all_reduce(t, group=gloo)
     asyncs = {
         "comm.all_reduce(t, async_op=True).wait()": lambda: comm.all_reduce(t, async_op=True).wait(),
