@@ -18,6 +18,14 @@ the load average before and after it. Needs root.
     python benchmarks/multihost.py --variants all --rounds 2         # every variant (the defaults' evidence)
     python benchmarks/multihost.py --layouts 4x1 --variant defaults --variant CCL_ALLREDUCE=ring
     python benchmarks/multihost.py --out benchmarks/results/multihost/run   # PREFIX.txt, PREFIX.json
+    python benchmarks/multihost.py --rounds 3 --variant defaults --variant 'CCL_ATL_TRANSPORT=mpi (MPICH)'
+
+The ``CCL_ATL_TRANSPORT=mpi`` variants (issue 35) start the ranks with an MPI
+venv's hydra ``mpiexec`` instead (``MPI_VENVS``: ``$STREAMCOLL_MPI_VENV``,
+default ``.venv-mpi`` of ``benchmarks/setup_mpi.sh``; ``$STREAMCOLL_IMPI_VENV``,
+default ``.venv-impi``, the same with ``impi-rt``), run in host 0, with a
+generated ``-launcher-exec`` script standing in for ssh: it enters the host
+whose address hydra names. The sweep then also times mpi4py over that MPI.
 
 All simulated hosts share this machine's cores: 4 x 1 and 2 x 2 put 4 ranks
 on 2 cores (oversubscribed, which streamcoll detects through the shared boot
@@ -83,6 +91,17 @@ VARIANTS: Dict[str, tuple] = {
     "ring, CCL_RS_CHUNK_COUNT=4": ({"CCL_ALLREDUCE": "ring", "CCL_RS_CHUNK_COUNT": "4"}, LAYOUTS, False),
     "nreduce, CCL_ALLREDUCE_NREDUCE_SEGMENT_SIZE=1M": (
         {"CCL_ALLREDUCE": "nreduce", "CCL_ALLREDUCE_NREDUCE_SEGMENT_SIZE": str(1 << 20)}, LAYOUTS, False),
+    # oneCCL over MPI (issue 35): ranks started by that MPI's mpiexec (see MPI_VENVS)
+    "CCL_ATL_TRANSPORT=mpi (MPICH)": ({"CCL_ATL_TRANSPORT": "mpi"}, LAYOUTS, False),
+    "CCL_ATL_TRANSPORT=mpi (Intel MPI)": ({"CCL_ATL_TRANSPORT": "mpi"}, LAYOUTS, False),
+    "CCL_ATL_TRANSPORT=mpi + direct<=16M (Intel MPI)": (
+        {"CCL_ATL_TRANSPORT": "mpi", "CCL_ALLREDUCE": "direct:0-16777216;nreduce:16777217-max"}, LAYOUTS, False),
+}
+# variant -> (the variable naming its MPI venv, the default venv): these run under that venv's mpiexec.
+MPI_VENVS: Dict[str, Tuple[str, str]] = {
+    "CCL_ATL_TRANSPORT=mpi (MPICH)": ("STREAMCOLL_MPI_VENV", os.path.join(ROOT, ".venv-mpi")),
+    "CCL_ATL_TRANSPORT=mpi (Intel MPI)": ("STREAMCOLL_IMPI_VENV", os.path.join(ROOT, ".venv-impi")),
+    "CCL_ATL_TRANSPORT=mpi + direct<=16M (Intel MPI)": ("STREAMCOLL_IMPI_VENV", os.path.join(ROOT, ".venv-impi")),
 }
 
 
@@ -97,9 +116,44 @@ def parse_layout(text: str) -> Tuple[int, int]:
     return h, r
 
 
+def _mpi_launch(hosts: "netns.Hosts", venv: str, per_host: int, sweep: List[str], workdir: str, tag: str,
+                port: int) -> Tuple[List[str], Dict[str, str]]:
+    """Host 0's command and the ranks' extra variables for a world started
+    by ``venv``'s hydra mpiexec: a ``-launcher-exec`` script (hydra calls it
+    as ``script [options] ADDRESS COMMAND...``, as it would call ssh) runs
+    the proxy command in the host with that address."""
+    import shlex
+
+    n = len(hosts.names)
+    # A new veth has no carrier for a moment, and an MPI runtime that starts
+    # then sees only loopback (UCX: "network device 'mn0' is not available").
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not all(
+            "state UP" in subprocess.run(["ip", "-n", name, "link", "show", hosts.iface], capture_output=True,
+                                         text=True).stdout for name in hosts.names):
+        time.sleep(0.05)
+    lines = ["#!/bin/sh", 'while [ $# -gt 0 ]; do case "$1" in -*) shift;; *) break;; esac; done',
+             'h="$1"; shift', 'case "$h" in']
+    for g in range(n):
+        prefix = " ".join(shlex.quote(x) for x in hosts.command(g, ["sh", "-c"]))
+        lines.append(f'  {hosts.addr(g)}|{hosts.hostnames[g]}) exec {prefix} "$*";;')
+    lines += ['  *) echo "launcher-exec: unknown host $h" >&2; exit 9;;', "esac"]
+    script = os.path.join(workdir, f"launch_{tag}.sh")
+    with open(script, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.chmod(script, 0o755)
+    py = os.path.join(venv, "bin", "python")
+    argv = [os.path.join(venv, "bin", "mpiexec"), "-launcher", "ssh", "-launcher-exec", script,
+            "-iface", hosts.iface, "-hosts", ",".join(hosts.addr(g) for g in range(n)), "-ppn", str(per_host),
+            "-n", str(n * per_host), "-bind-to", "none", py, "-m", "streamcoll.bench", *sweep]
+    return hosts.command(0, argv), {"MASTER_ADDR": hosts.addr(0), "MASTER_PORT": str(port), "I_MPI_PIN": "off",
+                                    "CCL_MPI_LIBRARY_PATH": os.path.join(venv, "lib", "libmpi.so.12")}
+
+
 def run_one(layout: str, variant: str, workdir: str, port: int, timeout: float, sizes: str) -> dict:
     """One world of ``layout`` with ``variant``'s variables: the sweep's
-    medians at 4 B and 16 MB for streamcoll and gloo, or an error."""
+    medians at 4 B and 16 MB for streamcoll and gloo (and MPI under an MPI
+    launcher), or an error."""
     extra, _, same = VARIANTS[variant]
     nhosts, per_host = parse_layout(layout)
     hostnames = SAME if same else HOSTS[nhosts]
@@ -108,12 +162,19 @@ def run_one(layout: str, variant: str, workdir: str, port: int, timeout: float, 
     env = {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p), **extra}
     procs = []
     # Distinct pids on every host (oneCCL cannot tell apart ranks with equal hostname and pid).
+    sweep = ["--collectives", "all_reduce", "--sizes", sizes, "--no-raw", "--json", jpath]
     with netns.Hosts(hostnames, pid_shift=[5 * g for g in range(nhosts)]) as hosts:
-        for g in range(nhosts):
+        if variant in MPI_VENVS:
+            var, default = MPI_VENVS[variant]
+            argv, more = _mpi_launch(hosts, os.environ.get(var) or default, per_host, sweep, workdir, tag, port)
+            log = open(os.path.join(workdir, f"log_{tag}_0"), "w")
+            procs.append(subprocess.Popen(argv, env=netns.clean_env({**env, **more}), stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+            log.close()
+        for g in range(0 if variant in MPI_VENVS else nhosts):
             argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nhosts), "--node-rank", str(g),
                     "--nproc-per-node", str(per_host), "--master-addr", hosts.addr(0), "--master-port", str(port),
-                    "-m", "streamcoll.bench", "--collectives", "all_reduce", "--sizes", sizes,
-                    "--no-raw", "--json", jpath]
+                    "-m", "streamcoll.bench", *sweep]
             log = open(os.path.join(workdir, f"log_{tag}_{g}"), "w")
             procs.append(subprocess.Popen(hosts.command(g, argv), env=netns.clean_env(env), stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True))
@@ -135,7 +196,9 @@ def run_one(layout: str, variant: str, workdir: str, port: int, timeout: float, 
     out: Dict[str, object] = {}
     for row in rows:
         key = "4B" if row["bytes"] == 4 else "16MB"
-        for lib in ("streamcoll", "torch"):
+        for lib in ("streamcoll", "torch", "mpi"):
+            if lib not in row["libs"]:
+                continue
             L = row["libs"][lib]
             out[f"{lib}_{key}_us"] = L["time_us"]["median"]
             out[f"{lib}_{key}_busbw"] = L["busbw"]
@@ -152,7 +215,8 @@ def _us(v: float) -> str:
 def table(results: List[dict]) -> str:
     """One line per run, in the order run, with the load average around it."""
     lines = ["| layout | variant | streamcoll 4 B | gloo 4 B | gloo/sc | streamcoll 16 MB busbw | "
-             "gloo 16 MB busbw | sc/gloo | load |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "gloo 16 MB busbw | sc/gloo | load | MPI 4 B | MPI 16 MB busbw |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
         m = r["m"]
         load = "-".join(f"{x:.1f}" for x in (r["load"][0], r["load_after"][0]))
@@ -162,7 +226,8 @@ def table(results: List[dict]) -> str:
         lines.append(
             f"| {r['layout']} | {r['variant']} | {_us(m['streamcoll_4B_us'])} | {_us(m['torch_4B_us'])} | "
             f"{m['torch_4B_us'] / m['streamcoll_4B_us']:.1f}x | {m['streamcoll_16MB_busbw']:.3f} GB/s | "
-            f"{m['torch_16MB_busbw']:.3f} GB/s | {m['streamcoll_16MB_busbw'] / m['torch_16MB_busbw']:.2f}x | {load} |")
+            f"{m['torch_16MB_busbw']:.3f} GB/s | {m['streamcoll_16MB_busbw'] / m['torch_16MB_busbw']:.2f}x | {load} | "
+            + (f"{_us(m['mpi_4B_us'])} | {m['mpi_16MB_busbw']:.3f} GB/s |" if "mpi_4B_us" in m else " | |"))
     return "\n".join(lines)
 
 
@@ -202,7 +267,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if why:
         print(f"simulated hosts unavailable: {why}", file=sys.stderr)
         return 2
-    names = list(VARIANTS) if a.variants == "all" else (a.variant or ["defaults"])
+    # "all" leaves out the MPI variants whose venv is missing (they need one set up first).
+    names = ([v for v in VARIANTS if v not in MPI_VENVS or os.path.exists(os.path.join(
+        os.environ.get(MPI_VENVS[v][0]) or MPI_VENVS[v][1], "bin", "mpiexec"))]
+             if a.variants == "all" else (a.variant or ["defaults"]))
     for v in names:
         if v not in VARIANTS:
             p.error(f"unknown variant {v!r}")
