@@ -212,6 +212,9 @@ def new_communicator(
             raise CommunicatorError(f"init of communicator {cname!r}: {_clash_text(topo)}")
         if b.name == "oneccl":
             _check_first_transport(topo, cname)
+            why = launchers.mpi_transport_problem()
+            if why:  # the same launcher and variables on every rank: every rank raises
+                raise CommunicatorError(f"init of communicator {cname!r}: {why}")
         conflicts = topo.agreed.conflicts_for(b.name)
         if conflicts:  # computed from every rank's facts: every rank raises, before the native init
             raise CommunicatorError(f"init of communicator {cname!r}: {_conflict_text(conflicts)}")

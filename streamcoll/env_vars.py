@@ -100,7 +100,7 @@ TABLE: Tuple[EnvVar, ...] = (
     EnvVar("CCL_BF16", "read", "", "oneCCL's bf16 implementation (avx512 variants crash on AVX2-only CPUs)"),
     EnvVar("CCL_ROOT", "read", "", "an installed oneAPI oneCCL (library search)"),
     EnvVar("CCL_ATL_TRANSPORT", "read", "ofi",
-           "oneCCL's transport (`mpi` over an MPI launcher); equal on every rank (checked)"),
+           "oneCCL's transport: `mpi` only under that MPI's own mpiexec with its libmpi loadable (else refused before the init, naming why); equal on every rank (checked)"),
     EnvVar("NCCL_DEBUG", "read", "", "NCCL's own logging"),
     EnvVar("NCCL_HOME", "read", "", "NCCL installation (library and header search)"),
     EnvVar("CUDA_HOME", "read", "", "CUDA installation (library search)"),

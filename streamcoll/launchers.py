@@ -445,3 +445,36 @@ def who_set(name: str) -> str:
 
 
 __all__ += ["EXPORTED", "who_set"]
+
+
+def mpi_transport_problem(environ: Optional[Mapping[str, str]] = None) -> str:
+    """Why oneCCL's MPI transport (``CCL_ATL_TRANSPORT=mpi``) cannot run in
+    this process, or ``''`` (also where the variable asks for another one).
+
+    Measured with oneCCL 2022.2 (docs/benchmarks.md, "oneCCL's transport:
+    OFI against MPI"): the transport calls ``MPI_Init``, so the ranks must be
+    started by that MPI's own ``mpiexec`` (under torchrun each rank is an MPI
+    world of one: Intel MPI aborts, "Duplicate ranks", and MPICH hangs in
+    the communicator's init); and it ``dlopen``s ``libmpi.so.12`` (or
+    ``CCL_MPI_LIBRARY_PATH``), falling back to OFI with only a warning where
+    it cannot, so ranks that all agreed on ``mpi`` could run two different
+    transports and never meet. Pure apart from that ``dlopen``, which is the
+    one oneCCL would make."""
+    env = os.environ if environ is None else environ
+    if env.get("CCL_ATL_TRANSPORT", "").strip().lower() != "mpi":
+        return ""
+    if not any(all(env.get(v, "").strip() for v in la.detect) for la in TABLE if la.rendezvous == "mpi"):
+        return ("CCL_ATL_TRANSPORT=mpi: oneCCL's MPI transport needs the ranks started by that MPI's own "
+                "mpiexec (no PMI_RANK/PMI_SIZE, OMPI_COMM_WORLD_* or PMIX_RANK here: each rank would be an MPI "
+                "world of one, which aborts or hangs in the communicator's init); start them with mpiexec, or "
+                "unset CCL_ATL_TRANSPORT (oneCCL's default ofi transport runs under every launcher)")
+    lib = env.get("CCL_MPI_LIBRARY_PATH", "").strip() or "libmpi.so.12"
+    import ctypes
+    try:
+        ctypes.CDLL(lib)
+    except OSError as e:
+        return (f"CCL_ATL_TRANSPORT=mpi: oneCCL loads {lib} for it, and it does not load ({e}); oneCCL would "
+                "fall back to its ofi transport with only a warning, so ranks agreeing on mpi could run "
+                "different transports: put the MPI's lib/ on LD_LIBRARY_PATH or set CCL_MPI_LIBRARY_PATH "
+                "(docs/benchmarks.md, \"oneCCL's transport\")")
+    return ""

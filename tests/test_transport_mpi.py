@@ -97,3 +97,61 @@ def test_oneccl_over_mpi_matches_gloo(runtime, tmp_path):
         assert f.read_text() == "libmpi mapped=True mpi4py=False OK", (r, f.read_text())
     assert "CCL_ATL_TRANSPORT: mpi" in p.stdout, f"oneCCL did not report the MPI transport:\n{tail}"
     assert "fallback to OFI" not in p.stdout, tail
+
+
+REFUSED = r"""
+import os, sys
+import streamcoll
+try:
+    streamcoll.init()
+except streamcoll.CommunicatorError as e:
+    print(f"rank {os.environ['RANK']} refused: {e}", flush=True)
+    sys.exit(0)
+print(f"rank {os.environ['RANK']} was not refused", flush=True)
+sys.exit(4)
+"""
+
+
+@needs_oneccl
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["torchrun-style launch", "no libmpi"])
+def test_the_mpi_transport_is_refused_where_it_cannot_run(case, tmp_path):
+    """``CCL_ATL_TRANSPORT=mpi`` where it cannot work raises on every rank
+    before oneCCL's init, naming why: ranks not started by an MPI's mpiexec
+    (before: with MPICH's libmpi loadable, each rank an MPI world of one, the
+    init hung until the watchdog's timeout; Intel MPI's aborted both ranks)
+    and a libmpi that does not load (oneCCL falls back to OFI quietly)."""
+    venv = VENVS["mpich"]
+    lib = os.path.join(venv, "lib", "libmpi.so.12")
+    if case == "torchrun-style launch" and _why_not(venv):
+        pytest.skip(_why_not(venv))
+    worker = tmp_path / "worker.py"
+    worker.write_text(REFUSED)
+    drop = ("CCL_", "FI_", "I_MPI_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+            "TORCHELASTIC", "PMI_", "OMPI_", "PMIX_", "STREAMCOLL_")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    base.update({"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+                 "CCL_ATL_TRANSPORT": "mpi", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                 "WORLD_SIZE": "2", "STREAMCOLL_TIMEOUT": "60"})
+    if case == "torchrun-style launch":
+        base["CCL_MPI_LIBRARY_PATH"] = lib
+        want = "needs the ranks started by that MPI's own mpiexec"
+    else:  # started as mpiexec would (its variables), a library path that does not exist
+        base.update({"PMI_SIZE": "2", "CCL_MPI_LIBRARY_PATH": str(tmp_path / "libmpi.so.12")})
+        want = "does not load"
+    procs = []
+    for r in range(2):
+        env = dict(base, RANK=str(r), LOCAL_RANK=str(r), **({"PMI_RANK": str(r)} if "PMI_SIZE" in base else {}))
+        procs.append(subprocess.Popen([os.environ.get("PYTHON", "python3"), str(worker)], env=env, cwd=str(tmp_path),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=60)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"rank {r} refused" in out and want in out, (r, p.returncode, out[-2000:])
