@@ -24,8 +24,9 @@ test is whatever ``streamcoll`` imports: run the driver against the old and
 the new tree alternately, each run timing its own ``raw bf16``::
 
     git archive <old commit> | tar -x -C /tmp/old     # the tree before the change
+    i=0
     for t in old new old new old new; do
-        uptime
+        i=$((i + 1)); uptime
         [ $t = old ] && P=/tmp/old || P=$PWD
         flock /tmp/streamcoll-bench.lock env PYTHONPATH=$P torchrun --nproc-per-node 2 \\
             --master-addr 127.0.0.1 benchmarks/bf16.py --tree $t --out benchmarks/results/bf16/$t-$i
