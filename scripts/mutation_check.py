@@ -95,6 +95,7 @@ FIXED: List[Mutation] = [
         (("streamcoll/plans.py", "return lambda: out.div_(n)", "return lambda: out.div_(1)"),
          ("streamcoll/launch.py", "{spec.recv or spec.send}.div_(_size)", "{spec.recv or spec.send}.div_(1)"),
          ("streamcoll/launch.py", "w{oi}.div_(_size)", "w{oi}.div_(1)"),
+         ("streamcoll/launch.py", "w{oi}.mul_(_rsize)", "w{oi}.mul_(1)"),
          ("streamcoll/launch.py", "{out_b}.div_(_size)", "{out_b}.div_(1)")),
         ("tests/test_compile.py::test_compiled_step_aot_eager",),
         why="issue 28 finding 2 (compiled vs eager compared with a plain-torch reference)"),
@@ -103,6 +104,7 @@ FIXED: List[Mutation] = [
         (("streamcoll/plans.py", "return lambda: out.div_(n)", "return lambda: out.div_(1)"),
          ("streamcoll/launch.py", "{spec.recv or spec.send}.div_(_size)", "{spec.recv or spec.send}.div_(1)"),
          ("streamcoll/launch.py", "w{oi}.div_(_size)", "w{oi}.div_(1)"),
+         ("streamcoll/launch.py", "w{oi}.mul_(_rsize)", "w{oi}.mul_(1)"),
          ("streamcoll/launch.py", "{out_b}.div_(_size)", "{out_b}.div_(1)")),
         (COLLECTIVES + "::test_all_reduce_every_op_and_dtype[w2-sync]",), ci=True),
     Mutation(

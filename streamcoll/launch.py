@@ -35,6 +35,7 @@ on the synchronous call path.
 from __future__ import annotations
 
 import linecache
+import math
 import time
 import threading
 import weakref
@@ -223,11 +224,47 @@ def build_sync_launcher(comm: Any) -> Callable[[str, Plan, Any], Any]:
     return _compile(src, "launch_sync", ns, f"launch_sync/{comm._device.type}")
 
 
-def _grow_scratch(sc: List[torch.Tensor], n: int) -> torch.Tensor:
-    """The widened fast path's float32 scratch, grown to at least ``n``
-    elements (by doubling: a few growths, then reuse)."""
-    sc[0] = torch.empty(max(n, 2 * sc[0].numel()), dtype=torch.float32)
-    return sc[0]
+class _ScratchViews:
+    """The widened fast path's float32 scratch and its views, cached per
+    shape. ``views[key]`` (``key``: the buffers' shapes, one
+    ``torch.Size`` or a tuple of them) is ``(w0, [w1,] p0, [p1])``: the
+    float32 stand-in of each buffer, in that buffer's shape (its copies need
+    no ``view(-1)``), consecutive regions of one flat scratch, and their
+    ``void *``. A call of a shape seen before costs one dict lookup; slicing
+    the scratch, two views and the pointer lookup cost 2-4 us a call
+    (issue 35).
+
+    Interrupt-safe (a KeyboardInterrupt may land at any bytecode): every
+    entry is one tuple stored in one step and holds its own views (they keep
+    their storage alive), so whichever of the old and the grown scratch an
+    entry points into, it is whole. Growing clears the cache first, then
+    replaces the scratch; an interrupt in between leaves an empty cache,
+    which the next call refills."""
+
+    def __init__(self, vp: Callable[[torch.Tensor], Any], limit: int = 64) -> None:
+        self.sc = [torch.empty(0, dtype=torch.float32)]  # the flat scratch, grown by doubling
+        self.views: Dict[Any, tuple] = {}
+        self._vp = vp
+        self._limit = limit  # entries kept (then cleared: a workload of many shapes re-slices)
+
+    def __call__(self, key: Any) -> tuple:
+        """The entry for ``key`` (a miss: made and stored)."""
+        shapes = (key,) if isinstance(key, torch.Size) else key
+        sizes = [math.prod(s) for s in shapes]
+        q = self.sc[0]
+        if q.numel() < sum(sizes):
+            q = torch.empty(max(sum(sizes), 2 * q.numel()), dtype=torch.float32)
+            self.views.clear()  # the old scratch's views: freed with it
+            self.sc[0] = q
+        ws, at = [], 0
+        for s, z in zip(shapes, sizes):
+            ws.append(q[at:at + z].view(s))
+            at += z
+        entry = (*ws, *(self._vp(w) for w in ws))
+        if len(self.views) >= self._limit:
+            self.views.clear()
+        self.views[key] = entry
+        return entry
 
 
 def _general_args(spec: CollectiveSpec) -> str:
@@ -286,12 +323,13 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
     # with it), reduced there, and the result is rounded once into the
     # output. The copies run inside the exec lock (two threads' calls cannot
     # share the scratch) and only when nothing is queued (the sync strategy's
-    # condition), so no queued work can still be reading it.
+    # condition), so no queued work can still be reading it. The scratch's
+    # views come cached per shape, with their pointers (_ScratchViews).
     wide = bool(spec.reduces and cx.widened and not gpu)
     if wide:
         ns["_wide"] = {k: cx.dtypes[v] for k, v in cx.widened.items()}
-        ns["_sc"] = [torch.empty(0, dtype=torch.float32)]
-        ns["_grow"] = _grow_scratch
+        wv = _ScratchViews(cx.vp)
+        ns["_sc"], ns["_wv"], ns["_wview"] = wv.sc, wv.views, wv
         conds.append(f"((d := _dtypes.get(dt := {send}.dtype)) is not None or (d := _wide.get(dt)) is not None)")
     else:
         conds.append(f"(d := _dtypes.get(dt := {send}.dtype)) is not None")
@@ -363,22 +401,13 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
     ptr_of: Dict[str, str] = {}
     distinct = list(dict.fromkeys(x for x in (spec.send, spec.recv) if x))
     if wide:
-        # w<i>: the float32 stand-in of buffer i (one flat scratch, consecutive regions)
-        sizes = [f"m_{b}" if b == cbuf else f"{b}.numel()" for b in distinct]
-        lines.append(f"wd = {send}.dtype in _wide")
+        # w<i>, p<i>: the float32 stand-in of buffer i, in its shape, and its pointer (one flat
+        # scratch, consecutive regions), cached per shape (_ScratchViews: one lookup, one tuple)
+        key = f"{distinct[0]}.shape" if len(distinct) == 1 else f"({', '.join(b + '.shape' for b in distinct)})"
+        ws = [f"w{i}" for i in range(len(distinct))] + [f"p{i}" for i in range(len(distinct))]
+        lines.append("wd = dt in _wide")
         lines.append("if wd:")
-        if len(distinct) == 1:
-            lines.append(f"    z0 = {sizes[0]}")
-            lines.append("    q = _sc[0] if _sc[0].numel() >= z0 else _grow(_sc, z0)")
-            lines.append("    w0 = q[:z0]")
-        else:
-            lines.append(f"    z0 = {sizes[0]}")
-            lines.append(f"    z1 = {sizes[1]}")
-            lines.append("    q = _sc[0] if _sc[0].numel() >= z0 + z1 else _grow(_sc, z0 + z1)")
-            lines.append("    w0 = q[:z0]")
-            lines.append("    w1 = q[z0:z0 + z1]")
-        for i, b in enumerate(distinct):
-            lines.append(f"    p{i} = _ptrs(w{i}.data_ptr()) or _vp(w{i})")
+        lines.append(f"    {', '.join(ws)} = _wv.get(k := {key}) or _wview(k)")
         lines.append("else:")
         for i, b in enumerate(distinct):
             lines.append(f"    p{i} = _ptrs({b}.data_ptr()) or _vp({b})")
@@ -397,12 +426,17 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         out_b = spec.recv or send  # the output buffer (send: the first buffer, checked above)
         oi = distinct.index(out_b)
         # the copy in, under the lock, right before the call; the result's one rounding in post
-        call = f"(wd and w0.copy_({send}.view(-1)), {call})[1]"
+        call = f"(wd and w0.copy_({send}), {call})[1]"
         on_root = f" and {peer} == _rank" if spec.post_on_root_only and peer else ""
         post = f"        if wd{on_root}:\n"
         if fast_avg:
-            post += f"            if a:\n                w{oi}.div_(_size)\n"
-        post += f"            {out_b}.view(-1).copy_(w{oi})\n"
+            # a power-of-two size: the multiplication by its reciprocal, bit-identical to the
+            # division (the same real number, correctly rounded) and half its time at 64 KB
+            pow2 = comm._size & (comm._size - 1) == 0
+            ns["_rsize"] = 1.0 / comm._size
+            scale = f"w{oi}.mul_(_rsize)" if pow2 else f"w{oi}.div_(_size)"
+            post += f"            if a:\n                {scale}\n"
+        post += f"            {out_b}.copy_(w{oi})\n"
         if fast_avg:
             post += f"        elif a{on_root}:\n            {out_b}.div_(_size)\n"
     if gpu:

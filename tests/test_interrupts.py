@@ -45,6 +45,10 @@ _PURE = {"launch.py", "recorder.py", "plans.py", "spec.py", "env.py", "env_vars.
 _STRIDE = {"new_communicator": 10}
 _DENSE = {"backends.py", "turnstile.py", "signals.py", "streams.py"}
 
+# Code of those modules that keeps state across calls, interrupted like the rest:
+# the widened fast path's scratch views (launch._ScratchViews, issue 35).
+_STATEFUL = {"_ScratchViews.__call__"}
+
 _AFTER = {dis.opmap[n] for n in ("CALL", "CALL_FUNCTION_EX", "JUMP_BACKWARD") if n in dis.opmap}
 
 
@@ -68,6 +72,8 @@ class Interrupter:
     @staticmethod
     def _skip(code) -> bool:
         """A comprehension, or a module that takes no lock, ticket or handle."""
+        if getattr(code, "co_qualname", "") in _STATEFUL:
+            return False
         return code.co_name.startswith("<") or os.path.basename(code.co_filename) in _PURE
 
     def _point(self, frame, what: str) -> None:
@@ -211,11 +217,52 @@ def _scenarios() -> Dict[str, Any]:
     }
 
 
+def _wide_scenario() -> Any:
+    """The widened (bf16) fast path from cold: its scratch-view cache
+    (launch._ScratchViews) missed, grown, then hit; afterwards every cached
+    entry must be whole (issue 35)."""
+    import torch
+    import streamcoll
+
+    A = _new("A")
+    B = _new("B")
+
+    def bf16_setup():
+        # the widened fast path from cold: no view cached, no scratch (a miss that grows it), then a hit
+        g = A.all_reduce.__globals__
+        g["_wv"].clear()
+        g["_sc"][0] = torch.empty(0)
+        return {"bf": torch.arange(12, dtype=torch.bfloat16)}
+
+    def bf16_call(st):
+        A.all_reduce(st["bf"].view(3, 4), streamcoll.ReduceOp.AVG)
+        A.all_reduce(st["bf"])
+
+    def bf16_after(st):
+        # every cached entry whole (its views in its key's shapes, its pointers theirs), values right
+        g = A.all_reduce.__globals__
+        bf = torch.arange(12, dtype=torch.bfloat16)
+        for key, entry in list(g["_wv"].items()):
+            (w, p) = entry
+            if w.shape != key or int(A._cx.ffi.cast("uintptr_t", p)) != w.data_ptr() or w.dtype != torch.float32:
+                raise AssertionError(f"a half-made scratch view for {key}: {w.shape} {w.dtype}")
+        for shape in ((12,), (3, 4), (2, 6)):
+            t = bf.view(shape).clone()
+            A.all_reduce(t)
+            if not torch.equal(t, bf.view(shape)):
+                raise AssertionError(f"bf16 {shape}: {t.tolist()}")
+
+    return (bf16_setup, bf16_call, bf16_after, [A, B])
+
+
+_EXTRA = {"fast_sync_bf16": _wide_scenario}
+
+
 def run_scenario(name: str, limit: int) -> Dict[str, Any]:
     """Interrupt scenario ``name`` at each of its points (at most ``limit``);
     a dict: points, interrupted, completed, failures."""
     faulthandler.dump_traceback_later(240, exit=True)  # a lock left behind hangs: say where
-    setup, call, after, comms = _scenarios()[name]
+    setup, call, after, comms = _EXTRA[name]() if name in _EXTRA else _scenarios()[name]
     st = setup()
     call(st)  # warm: fast paths built, comm threads started
     if after:
@@ -291,6 +338,9 @@ from conftest import needs_oneccl  # noqa: E402
 
 HOT = ["fast_sync", "fast_async", "module_sync", "general_sync", "general_async", "queued_async",
        "sync_behind_async", "poll_async", "timed_wait"]
+# the widened (bf16) fast path's cache: a process of its own (its scenario's
+# allocations would move when the garbage collector runs in the others')
+WIDE = ["fast_sync_bf16"]
 # one process each: an interrupted destroy leaves its native communicator
 # allocated (oneCCL's communicator ids run out after a few hundred)
 LIFE = ["split", "new_communicator", "destroy"]
@@ -308,7 +358,7 @@ def _run(names: List[str], timeout: float) -> Dict[str, Any]:
 
 
 @needs_oneccl
-@pytest.mark.parametrize("names", [HOT] + [[n] for n in LIFE], ids=["hot"] + LIFE)
+@pytest.mark.parametrize("names", [HOT, WIDE] + [[n] for n in LIFE], ids=["hot", "wide"] + LIFE)
 def test_an_interrupt_at_any_point_leaves_no_lock_or_ticket_behind(names):
     res = _run(names, timeout=280)
     for n in names:

@@ -126,8 +126,21 @@ def test_synchronous_calls_enter_one_python_frame(monkeypatch):
         c.all_reduce(big)
         grown = sc[0]
         assert grown.numel() >= 1 << 12 and grown.dtype == torch.float32
+        views = c.all_reduce.__globals__["_wv"]
+        entry = views[big.shape]
         c.all_reduce(big)
         assert sc[0] is grown  # reused, not reallocated per call
+        assert views[big.shape] is entry  # and its view of that shape, not re-sliced (issue 35)
+        # each shape its own view of the same scratch, in that shape (no view(-1) per call)
+        m = torch.arange(12, dtype=torch.bfloat16).view(3, 4)
+        c.all_reduce(m, streamcoll.ReduceOp.AVG)
+        assert torch.equal(m, torch.arange(12, dtype=torch.bfloat16).view(3, 4))
+        w, p = views[m.shape]
+        assert w.shape == m.shape and w.data_ptr() == grown.data_ptr()
+        assert int(c._cx.ffi.cast("uintptr_t", p)) == w.data_ptr()
+        # growing the scratch drops the views of the old one
+        c.all_reduce(torch.ones(1 << 14, dtype=torch.bfloat16))
+        assert sc[0] is not grown and list(views) == [torch.Size([1 << 14])]
     finally:
         c.destroy()
 
