@@ -233,6 +233,8 @@ def new_communicator(
     m = rendezvous(store, rank, world_size, timeout=t, make_uid=make_uid, name=name,
                    known=known_topology)
     topo, uid, pstore, cname = m.topology, m.uid, m.store, m.name
+    if b.name == "oneccl" and launchers.mpi_transport_requested():
+        _agree_mpi_transport(pstore, rank, world_size, cname)
     settings = made["settings"] if rank == 0 else prepare(topo, cname)
     if spans_world:
         global _WORLD_TOPOLOGY
@@ -259,6 +261,24 @@ def new_communicator(
     if nonblocking:
         watchdog.make_nonblocking(comm)
     return comm
+
+
+def _agree_mpi_transport(pstore: Any, rank: int, world_size: int, cname: str) -> None:
+    """``CCL_ATL_TRANSPORT=mpi`` (equal on every rank: checked): whether its
+    libmpi loads is each host's fact, so each rank posts its own
+    :func:`launchers.mpi_transport_problem` before the native init and every
+    rank raises if any rank has one (else the others wait in oneCCL's init
+    for the refused rank until their timeout). Rank 0's passed inside the
+    rendezvous (a problem there raised on every rank)."""
+    why = "" if rank == 0 else launchers.mpi_transport_problem()
+    pstore.set(f"mpi-transport/{rank}", why or "ok")
+    if why:
+        raise CommunicatorError(f"init of communicator {cname!r}: {why}")
+    for r in range(1, world_size):
+        v = "ok" if r == rank else pstore.get(f"mpi-transport/{r}").decode()
+        if v != "ok":
+            raise CommunicatorError(f"init of communicator {cname!r}: rank {r} cannot run oneCCL's MPI "
+                                    f"transport, so no rank starts it: {v}")
 
 
 def _check_first_transport(topo: "topology.Topology", cname: str) -> None:

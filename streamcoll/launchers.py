@@ -447,6 +447,12 @@ def who_set(name: str) -> str:
 __all__ += ["EXPORTED", "who_set"]
 
 
+def mpi_transport_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether ``CCL_ATL_TRANSPORT`` asks for oneCCL's MPI transport."""
+    env = os.environ if environ is None else environ
+    return env.get("CCL_ATL_TRANSPORT", "").strip().lower() == "mpi"
+
+
 def mpi_transport_problem(environ: Optional[Mapping[str, str]] = None) -> str:
     """Why oneCCL's MPI transport (``CCL_ATL_TRANSPORT=mpi``) cannot run in
     this process, or ``''`` (also where the variable asks for another one).
@@ -461,7 +467,7 @@ def mpi_transport_problem(environ: Optional[Mapping[str, str]] = None) -> str:
     transports and never meet. Pure apart from that ``dlopen``, which is the
     one oneCCL would make."""
     env = os.environ if environ is None else environ
-    if env.get("CCL_ATL_TRANSPORT", "").strip().lower() != "mpi":
+    if not mpi_transport_requested(env):
         return ""
     if not any(all(env.get(v, "").strip() for v in la.detect) for la in TABLE if la.rendezvous == "mpi"):
         return ("CCL_ATL_TRANSPORT=mpi: oneCCL's MPI transport needs the ranks started by that MPI's own "

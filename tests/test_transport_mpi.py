@@ -155,3 +155,54 @@ def test_the_mpi_transport_is_refused_where_it_cannot_run(case, tmp_path):
                 p.wait()
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0 and f"rank {r} refused" in out and want in out, (r, p.returncode, out[-2000:])
+
+
+ONE_HOST_WITHOUT = r"""
+import os, sys, time
+import streamcoll
+t0 = time.monotonic()
+try:
+    streamcoll.init()
+except streamcoll.CommunicatorError as e:
+    print(f"rank {os.environ['PMI_RANK']} refused after {time.monotonic() - t0:.1f} s: {e}", flush=True)
+    sys.exit(0)
+print(f"rank {os.environ['PMI_RANK']} was not refused", flush=True)
+sys.exit(4)
+"""
+
+
+@needs_oneccl
+@pytest.mark.timeout(120)
+def test_a_libmpi_missing_on_one_rank_only_is_refused_on_every_rank_at_once(tmp_path):
+    """Two ranks under MPICH's mpiexec (MPMD), the library loading on rank
+    0 and not on rank 1 (a host without it: the case the load check is for).
+    Rank 0's check passes inside the rendezvous, rank 1's fails after it:
+    before, rank 1 raised and rank 0 went into oneCCL's init and waited for
+    it until the watchdog's timeout (exit 86, blaming the network)."""
+    venv = VENVS["mpich"]
+    if _why_not(venv):
+        pytest.skip(_why_not(venv))
+    worker = tmp_path / "worker.py"
+    worker.write_text(ONE_HOST_WITHOUT)
+    drop = ("CCL_", "FI_", "I_MPI_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+            "TORCHELASTIC", "PMI_", "STREAMCOLL_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env.update({"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+                "CCL_ATL_TRANSPORT": "mpi", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                "CCL_KVS_IFACE": "lo", "STREAMCOLL_TIMEOUT": "60", "OMP_NUM_THREADS": "1"})
+    py, mpiexec = os.path.join(venv, "bin", "python"), os.path.join(venv, "bin", "mpiexec")
+    cmd = [mpiexec, "-n", "1", "-env", "CCL_MPI_LIBRARY_PATH", os.path.join(venv, "lib", "libmpi.so.12"), py,
+           str(worker), ":", "-n", "1", "-env", "CCL_MPI_LIBRARY_PATH", str(tmp_path / "libmpi.so.12"), py, str(worker)]
+    try:
+        p = subprocess.run(cmd, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, timeout=40)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        pytest.fail(f"not refused on every rank within 40 s (a rank waits in oneCCL's init for the refused one):\n"
+                    f"{out[-3000:]}")
+    out = p.stdout
+    assert p.returncode == 0, f"exit {p.returncode}:\n{out[-3000:]}"
+    for r in range(2):
+        assert f"rank {r} refused" in out, out[-3000:]
+    assert "rank 1" in out.split("rank 0 refused", 1)[1].split("\n", 1)[0], out[-3000:]  # rank 0 names rank 1
+    assert out.count("does not load") >= 2, out[-3000:]
