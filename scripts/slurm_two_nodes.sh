@@ -21,6 +21,7 @@
 set -euo pipefail
 D="${STREAMCOLL_SLURM2_DIR:-/tmp/streamcoll-slurm2}"
 CMD="${1:-start}"
+HOLDING_NETNS_LOCK=0  # set by start while it holds the namespace lock (never taken from the environment)
 NODES=(node01 node02)
 ADDRS=(10.79.0.1 10.79.0.2)
 TAG="$(printf %s "$D" | cksum | cut -c1-8)"
