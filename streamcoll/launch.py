@@ -248,7 +248,14 @@ class _ScratchViews:
         self._limit = limit  # entries kept (then cleared: a workload of many shapes re-slices)
 
     def __call__(self, key: Any) -> tuple:
-        """The entry for ``key`` (a miss: made and stored)."""
+        """The entry for ``key`` (a miss: made and stored). Made outside
+        inference mode whatever the caller's: a scratch or view made inside
+        it is an inference tensor (or an inference-mode view), which every
+        later call outside it would refuse to copy into."""
+        with torch.inference_mode(False):
+            return self._make(key)
+
+    def _make(self, key: Any) -> tuple:
         shapes = (key,) if isinstance(key, torch.Size) else key
         sizes = [math.prod(s) for s in shapes]
         q = self.sc[0]
@@ -331,6 +338,11 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         wv = _ScratchViews(cx.vp)
         ns["_sc"], ns["_wv"], ns["_wview"] = wv.sc, wv.views, wv
         conds.append(f"((d := _dtypes.get(dt := {send}.dtype)) is not None or (d := _wide.get(dt)) is not None)")
+        # a buffer that requires grad, an inference tensor's output: the general path (its copies
+        # record no autograd history and may write an inference tensor; here w0.copy_() would record
+        # the history into the cached scratch, handed on to later calls' outputs)
+        rg = " or ".join([f"{p.name}.requires_grad" for p in spec.buffers] + [f"{spec.recv or send}.is_inference()"])
+        conds.append(f"(dt not in _wide or not ({rg}))")
     else:
         conds.append(f"(d := _dtypes.get(dt := {send}.dtype)) is not None")
     for b in bufs:

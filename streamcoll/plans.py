@@ -97,6 +97,17 @@ def _then(post: Optional[Callable[[], Any]], wide: torch.Tensor, out: torch.Tens
     return fn
 
 
+def _untracked(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run in inference mode: the widened path's copies and scaling
+    record no autograd history and may write an inference tensor, as the C
+    call's own writes into a buffer do (a tensor that requires grad, one
+    made in inference mode, a plan made there and run on the comm thread)."""
+    def run() -> Any:
+        with torch.inference_mode():
+            return fn()
+    return run
+
+
 class PlanContext:
     """What a planner sees of its communicator."""
 
@@ -344,8 +355,8 @@ class PlanContext:
                 recv = send if nrecv is nsend else torch.empty(nrecv.shape, dtype=wide, device=nrecv.device)
                 d = self.dtypes[wide]
                 keep = keep + (send, recv)
-                f = _after(lambda: send.copy_(nsend), f)
-                post = _then(self.post(kind, factor, recv, applies), recv, nrecv) if applies else None
+                f = _after(_untracked(lambda: send.copy_(nsend)), f)
+                post = _untracked(_then(self.post(kind, factor, recv, applies), recv, nrecv)) if applies else None
             elif kind == "NATIVE_PREMUL":
                 assert self.premul_c is not None
                 scalar = torch.tensor([factor], dtype=send.dtype)  # host-immediate, of the op's dtype

@@ -47,7 +47,7 @@ _DENSE = {"backends.py", "turnstile.py", "signals.py", "streams.py"}
 
 # Code of those modules that keeps state across calls, interrupted like the rest:
 # the widened fast path's scratch views (launch._ScratchViews, issue 35).
-_STATEFUL = {"_ScratchViews.__call__"}
+_STATEFUL = {"_ScratchViews.__call__", "_ScratchViews._make"}
 
 _AFTER = {dis.opmap[n] for n in ("CALL", "CALL_FUNCTION_EX", "JUMP_BACKWARD") if n in dis.opmap}
 
