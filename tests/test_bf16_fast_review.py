@@ -3,6 +3,8 @@ results against gloo at 2 real ranks after the cache grew and was cleared,
 and the cache's invariants under threads and awkward shapes."""
 from __future__ import annotations
 
+import math
+
 from datetime import timedelta
 
 import pytest
@@ -117,10 +119,21 @@ def w_nan_min_max(comm, port: int):
     return out
 
 
-def test_nan_min_max_diagnostic(world2):
+def _same_nan(x, y) -> bool:
+    return len(x) == len(y) and all((math.isnan(p) and math.isnan(q)) or p == q for p, q in zip(x, y))
+
+
+@pytest.mark.xfail(strict=True, reason="oneCCL 2022.2's MIN/MAX of a NaN and a number depends on the operand "
+                   "order, so ranks disagree (rank 0 [1.0, nan], rank 1 [nan, 1.0]); gloo propagates NaN on every "
+                   "rank. Known, not yet handled (a strict xfail: it fails once streamcoll matches gloo)")
+def test_nan_min_max_match_gloo(world2):
+    """MIN/MAX with a NaN on one rank, fast and general path, against gloo."""
+    bad = []
     for r, res in enumerate(world2.run(w_nan_min_max, free_port(), timeout=60)):
-        for k, v in res.items():
-            print(r, k, "fast", v[0], "general(async)", v[1], "gloo", v[2])
+        for k, (fast, general, gloo) in res.items():
+            if not (_same_nan(fast, gloo) and _same_nan(general, gloo)):
+                bad.append(f"rank {r} {k}: fast {fast}, general {general}, gloo {gloo}")
+    assert not bad, "\n".join(bad)
 
 
 def w_autograd_and_inference(comm):
