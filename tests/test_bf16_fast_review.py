@@ -47,7 +47,10 @@ def _same(a: torch.Tensor, b: torch.Tensor, nan_free: bool = False) -> bool:
     return bool(torch.equal(an, bn)) and bool(torch.equal(a.view(torch.int16)[~an], b.view(torch.int16)[~bn]))
 
 
-def w_bf16_vs_gloo(comm, port: int):
+def w_bf16_vs_gloo(world, port: int):
+    # A communicator of its own: its ~300 signatures would fill the pooled one's first-call check
+    # bound (STREAMCOLL_SIGNATURE_CHECKS), and later tests' new signatures would go unchecked.
+    comm = world.split(0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
                             world_size=comm.size, timeout=timedelta(seconds=30))
     try:
@@ -90,6 +93,7 @@ def w_bf16_vs_gloo(comm, port: int):
     finally:
         settle_gloo()
         dist.destroy_process_group()
+        comm.destroy()
 
 
 def test_bf16_fast_path_matches_gloo_after_growth_and_clear(world2):
