@@ -99,15 +99,19 @@ def test_oneccl_over_mpi_matches_gloo(runtime, tmp_path):
     assert "fallback to OFI" not in p.stdout, tail
 
 
+# each rank: refused by streamcoll.init() (exit 0, saying so and after how long) or not (exit 4);
+# its rank from the MPI launcher's variable (mpiexec) or torchrun's
 REFUSED = r"""
-import os, sys
+import os, sys, time
 import streamcoll
+rank = os.environ.get("PMI_RANK", os.environ.get("RANK"))
+t0 = time.monotonic()
 try:
     streamcoll.init()
 except streamcoll.CommunicatorError as e:
-    print(f"rank {os.environ['RANK']} refused: {e}", flush=True)
+    print(f"rank {rank} refused after {time.monotonic() - t0:.1f} s: {e}", flush=True)
     sys.exit(0)
-print(f"rank {os.environ['RANK']} was not refused", flush=True)
+print(f"rank {rank} was not refused", flush=True)
 sys.exit(4)
 """
 
@@ -157,20 +161,6 @@ def test_the_mpi_transport_is_refused_where_it_cannot_run(case, tmp_path):
         assert p.returncode == 0 and f"rank {r} refused" in out and want in out, (r, p.returncode, out[-2000:])
 
 
-ONE_HOST_WITHOUT = r"""
-import os, sys, time
-import streamcoll
-t0 = time.monotonic()
-try:
-    streamcoll.init()
-except streamcoll.CommunicatorError as e:
-    print(f"rank {os.environ['PMI_RANK']} refused after {time.monotonic() - t0:.1f} s: {e}", flush=True)
-    sys.exit(0)
-print(f"rank {os.environ['PMI_RANK']} was not refused", flush=True)
-sys.exit(4)
-"""
-
-
 @needs_oneccl
 @pytest.mark.timeout(120)
 def test_a_libmpi_missing_on_one_rank_only_is_refused_on_every_rank_at_once(tmp_path):
@@ -183,7 +173,7 @@ def test_a_libmpi_missing_on_one_rank_only_is_refused_on_every_rank_at_once(tmp_
     if _why_not(venv):
         pytest.skip(_why_not(venv))
     worker = tmp_path / "worker.py"
-    worker.write_text(ONE_HOST_WITHOUT)
+    worker.write_text(REFUSED)
     drop = ("CCL_", "FI_", "I_MPI_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
             "TORCHELASTIC", "PMI_", "STREAMCOLL_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
