@@ -46,6 +46,20 @@ def _out(name: str, data: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _all_started(limit: float = 60.0) -> None:
+    """Wait (bounded) until every rank's process is up, its imports done:
+    the scenarios' short communicator timeouts (2 s) bound the rendezvous
+    too, and on a loaded machine three interpreters importing torch can
+    start more than that apart (CI: "ranks 1, 2 never joined within 2 s")."""
+    d, rank, size = os.environ["RELIABILITY_OUT"], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    open(os.path.join(d, f"started.{rank}"), "w").close()
+    end = time.monotonic() + limit
+    while not all(os.path.exists(os.path.join(d, f"started.{r}")) for r in range(size)):
+        if time.monotonic() > end:
+            raise TimeoutError(f"rank {rank}: not every rank started within {limit:g} s")
+        time.sleep(0.01)
+
+
 def _peer_death(async_op: bool) -> None:
     import torch
     import streamcoll
@@ -53,6 +67,7 @@ def _peer_death(async_op: bool) -> None:
     size = int(os.environ["WORLD_SIZE"])
     timeout = float(os.environ["RELIABILITY_TIMEOUT"])
     victim, kill_at = size - 1, 40
+    _all_started()
     comm = streamcoll.init(backend="oneccl", device="cpu", timeout=timeout)
     t = torch.zeros(16)
     i = 0
@@ -92,6 +107,7 @@ def _skip() -> None:
     import torch
     import streamcoll
     rank = int(os.environ["RANK"])
+    _all_started()
     comm = streamcoll.init(backend="oneccl", device="cpu", timeout=2.0)
     t = torch.ones(8)
     for _ in range(3):
