@@ -199,16 +199,22 @@ class PlanContext:
         declares ``pair`` (all_reduce) gathers both ranks' inputs in their own
         dtype and each rank computes ``op(rank 0's, rank 1's)`` itself.
 
-        The same bits as the widened form: at two ranks the float32
+        The widened form's bits but a NaN's: at two ranks the float32
         reduction is one operation on two exact conversions, fl32(a + b)
         (fl32(a * b)), rounded once to bf16; torch's bf16 add and mul compute
-        exactly that in float32 and round it once, to nearest even, as the
-        widened form's copy back does (NaN: the canonical one either way),
-        and both ranks compute it in the same order. Half the bytes (the
-        inputs in bf16, no float32 copy in): 0.5-0.6x the widened form's
-        time from 4 KB to 8 MB (docs/benchmarks.md). The fast path and the
-        general path decide it alike (dtype, op, world size: the same on
-        every rank), so a rank on either issues the same C call."""
+        exactly that and round it once, to nearest even, as the widened
+        form's copy back does, and both ranks compute it in the same order.
+        A NaN is a NaN at the same places on every rank, but its sign and
+        payload are torch's: its bf16 add/mul write 0xFFFF in their
+        vectorized loop and 0x7FC0 in a chunk's scalar remainder, where the
+        copy back always writes 0xFFFF. Making them the copy back's costs a
+        pass over the output, 4.4 us at 4 KB, more than the form saves
+        (tests/test_bf16_pair_review.py). Half the bytes move (the inputs in
+        bf16) and no float32 copy goes in: 1.6-1.9x oneCCL's own bf16 at 4 KB
+        where the widened form is 2.1-2.4x (docs/benchmarks.md). The fast
+        path and the general path decide it alike (dtype, op, world size: the
+        same on every rank), so a rank on either issues the same C call.
+        """
         if kind is not None or not spec.pair or self.c.get(spec.pair) is None:
             return None
         return self.pair_ops.get(red)
