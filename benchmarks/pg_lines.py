@@ -2,8 +2,9 @@
 by line (issue 35): each statement of the generated
 ``ProcessGroupStreamcoll.allreduce`` timed on its own, with the objects a
 real call has, beside the whole call, the communicator call inside it and
-the do-nothing Python backend (the floor of any Python process group), all
-in one process, interleaved round by round.
+the do-nothing Python backend (the floor of any Python process group), and
+the same for ``async_op=True`` plus ``wait()`` (with the wrapper Work's own
+frame), all in one process, interleaved round by round.
 
     python benchmarks/pg_lines.py --rounds 7 --out benchmarks/results/paths/pg_lines
 
@@ -48,7 +49,14 @@ def main(argv=None) -> int:
     o = dist.AllreduceOptions()
     o.reduceOp = dist.ReduceOp.SUM
     o.asyncOp = False
-    g = {"dist": dist, "pg": pg, "nothing": nothing, "t": t, "tensors": [t], "c": c, "opts": o,
+    oa = dist.AllreduceOptions()
+    oa.reduceOp = dist.ReduceOp.SUM
+    oa.asyncOp = True
+    done = c.all_reduce(t, dist.ReduceOp.SUM, True)  # a completed streamcoll Work: wait() returns at once
+    done.wait()
+    wrapped = StreamcollWork()
+    wrapped._work = done
+    g = {"dist": dist, "oa": oa, "done": done, "wrapped": wrapped, "pg": pg, "nothing": nothing, "t": t, "tensors": [t], "c": c, "opts": o,
          "_SUM": dist.ReduceOp.SUM, "_ROPTS": _ROPTS, "_Tensor": torch.Tensor, "_Work": StreamcollWork,
          "w": StreamcollWork(), "self": pg, "timeout": None}
     rows: Dict[str, str] = {
@@ -68,6 +76,13 @@ def main(argv=None) -> int:
         "line: w._work = ...; w._outputs = [tensor]; w._op = ...": "w._work = None; w._outputs = [t]; w._op = 'x'",
         "line: return w if timeout is None else ...": "w if timeout is None else None",
         "torch's wait() on the returned Work": "w.wait()",
+        # async + wait (issue 35's "async the same"): the whole, its parts, the wrapper's wait frame
+        "async: dist.all_reduce(t, async_op=True).wait(), streamcoll": "dist.all_reduce(t, async_op=True).wait()",
+        "async: the same, do-nothing Python backend": "dist.all_reduce(t, group=nothing, async_op=True).wait()",
+        "async: pg.allreduce([t], opts).wait() (the method alone)": "pg.allreduce(tensors, oa).wait()",
+        "async: c.all_reduce(t, SUM, True).wait() (its communicator call)": "c.all_reduce(t, _SUM, True).wait()",
+        "async line: StreamcollWork.wait() over a completed Work": "wrapped.wait()",
+        "async line: that Work's own wait()": "done.wait()",
         "control: an empty statement": "pass",
     }
     times: Dict[str, List[float]] = {k: [] for k in rows}
@@ -86,6 +101,13 @@ def main(argv=None) -> int:
     own = med["pg.allreduce([t], opts) (the method alone)"] - med["c.all_reduce(t, SUM, False) (its communicator call)"]
     lines.append(f"{'sum of the lines (medians)':<72} {'':7} {sum(med[k] for k in ln):7.3f}")
     lines.append(f"{'method - communicator call (medians)':<72} {'':7} {own:7.3f}")
+    aown = med["async: pg.allreduce([t], opts).wait() (the method alone)"] \
+        - med["async: c.all_reduce(t, SUM, True).wait() (its communicator call)"]
+    lines.append(f"{'async: method + wait - communicator call + wait (medians)':<72} {'':7} {aown:7.3f}")
+    over = med["async: dist.all_reduce(t, async_op=True).wait(), streamcoll"] - (
+        med["async: the same, do-nothing Python backend"]
+        + med["async: c.all_reduce(t, SUM, True).wait() (its communicator call)"])
+    lines.append(f"{'async: dist - (do-nothing + communicator) (medians; goal <= 2)':<72} {'':7} {over:7.3f}")
     text = "\n".join(lines)
     print(text, flush=True)
     if a.out:

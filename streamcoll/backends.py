@@ -92,7 +92,8 @@ _EMULATED_OPS = {
 # CCL_BF16=avx512f or avx512bf, its other implementations, crash the process
 # on this CPU. Reducing in float32 and rounding once (to nearest even) is
 # exact at 2 ranks and better than gloo's per-step rounding at more; it costs
-# a conversion each way and twice the bytes on the wire.
+# a conversion each way and twice the bytes on the wire (at 2 ranks all_reduce
+# SUM/PRODUCT takes the pair form instead: plans.PlanContext.pair_op).
 # STREAMCOLL_WIDEN_BF16=0 turns it off (the library's own bf16 reduction).
 _WIDENED = {
     ("oneccl", "cpu"): {torch.bfloat16: torch.float32},

@@ -225,7 +225,8 @@ def build_sync_launcher(comm: Any) -> Callable[[str, Plan, Any], Any]:
 
 
 class _ScratchViews:
-    """The widened fast path's float32 scratch and its views, cached per
+    """The widened fast path's float32 scratch (the pair form's gather
+    scratch: the input dtype's, two regions a shape) and its views, cached per
     shape. ``views[key]`` (``key``: the buffers' shapes, one
     ``torch.Size`` or a tuple of them) is ``(w0, [w1,] p0, [p1])``: the
     float32 stand-in of each buffer, in that buffer's shape (its copies need
@@ -241,11 +242,13 @@ class _ScratchViews:
     replaces the scratch; an interrupt in between leaves an empty cache,
     which the next call refills."""
 
-    def __init__(self, vp: Callable[[torch.Tensor], Any], limit: int = 64) -> None:
-        self.sc = [torch.empty(0, dtype=torch.float32)]  # the flat scratch, grown by doubling
+    def __init__(self, vp: Callable[[torch.Tensor], Any], limit: int = 64, dtype: torch.dtype = torch.float32,
+                 parts: int = 1) -> None:
+        self.sc = [torch.empty(0, dtype=dtype)]  # the flat scratch, grown by doubling
         self.views: Dict[Any, tuple] = {}
         self._vp = vp
         self._limit = limit  # entries kept (then cleared: a workload of many shapes re-slices)
+        self._parts = parts  # a key of one shape: that many regions of it (the pair form's gather: 2)
 
     def __call__(self, key: Any) -> tuple:
         """The entry for ``key`` (a miss: made and stored). Made outside
@@ -256,11 +259,11 @@ class _ScratchViews:
             return self._make(key)
 
     def _make(self, key: Any) -> tuple:
-        shapes = (key,) if isinstance(key, torch.Size) else key
+        shapes = (key,) * self._parts if isinstance(key, torch.Size) else key
         sizes = [math.prod(s) for s in shapes]
         q = self.sc[0]
         if q.numel() < sum(sizes):
-            q = torch.empty(max(sum(sizes), 2 * q.numel()), dtype=torch.float32)
+            q = torch.empty(max(sum(sizes), 2 * q.numel()), dtype=q.dtype)
             self.views.clear()  # the old scratch's views: freed with it
             self.sc[0] = q
         ws, at = [], 0
@@ -345,6 +348,14 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         conds.append(f"(dt not in _wide or not ({rg}))")
     else:
         conds.append(f"(d := _dtypes.get(dt := {send}.dtype)) is not None")
+    # the pair form at two ranks (plans.PlanContext.pair_op, decided as the general path decides
+    # it): the inputs gathered into a scratch of their own dtype, one local op into the output
+    pair = bool(wide and spec.pair and cx.pair_ops and cx.cfunc(spec.pair) is not None)
+    if pair:
+        (pdt,) = cx.widened
+        gv = _ScratchViews(cx.vp, dtype=pdt, parts=2)
+        ns.update({"_ag": cx.cfunc(spec.pair), "_pair": cx.pair_ops, "_pd": cx.dtypes[pdt],
+                   "_gsc": gv.sc, "_gv": gv.views, "_gview": gv})
     for b in bufs:
         if b != send:
             conds.append(f"{b}.dtype is {send}.dtype")
@@ -419,7 +430,17 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         ws = [f"w{i}" for i in range(len(distinct))] + [f"p{i}" for i in range(len(distinct))]
         lines.append("wd = dt in _wide")
         lines.append("if wd:")
-        lines.append(f"    {', '.join(ws)} = _wv.get(k := {key}) or _wview(k)")
+        if pair:
+            assert len(distinct) == 1, spec.name
+            b0 = distinct[0]
+            lines.append(f"    if {'not a and ' if fast_avg else ''}(pa := _pair.get(r)) is not None:")
+            lines.append("        wd = 2  # the pair form")
+            lines.append(f"        g0, g1, pg, _ = _gv.get(k := {b0}.shape) or _gview(k)")
+            lines.append(f"        p0 = _ptrs({b0}.data_ptr()) or _vp({b0})")
+            lines.append("    else:")
+            lines.append(f"        {', '.join(ws)} = _wv.get(k := {key}) or _wview(k)")
+        else:
+            lines.append(f"    {', '.join(ws)} = _wv.get(k := {key}) or _wview(k)")
         lines.append("else:")
         for i, b in enumerate(distinct):
             lines.append(f"    p{i} = _ptrs({b}.data_ptr()) or _vp({b})")
@@ -441,14 +462,20 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
         call = f"(wd and w0.copy_({send}), {call})[1]"
         on_root = f" and {peer} == _rank" if spec.post_on_root_only and peer else ""
         post = f"        if wd{on_root}:\n"
+        ind = "    " if pair else ""  # the widened form's lines: under the pair form's else
+        if pair:
+            pv = dict(vals, recv="pg", dtype="_pd")
+            call = f"(_ag({', '.join(pv[r_] for r_ in c_roles(cx.declarations, comm._backend.funcs[spec.pair]))}) " \
+                   f"if wd == 2 else {call})"
+            post += f"            if wd == 2:\n                pa(g0, g1, out={out_b})\n            else:\n"
         if fast_avg:
             # a power-of-two size: the multiplication by its reciprocal, bit-identical to the
             # division (the same real number, correctly rounded) and half its time at 64 KB
             pow2 = comm._size & (comm._size - 1) == 0
             ns["_rsize"] = 1.0 / comm._size
             scale = f"w{oi}.mul_(_rsize)" if pow2 else f"w{oi}.div_(_size)"
-            post += f"            if a:\n                {scale}\n"
-        post += f"            {out_b}.copy_(w{oi})\n"
+            post += f"{ind}            if a:\n{ind}                {scale}\n"
+        post += f"{ind}            {out_b}.copy_(w{oi})\n"
         if fast_avg:
             post += f"        elif a{on_root}:\n            {out_b}.div_(_size)\n"
     if gpu:
@@ -473,7 +500,9 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
     # to the general path, which decides what happens instead.
     body = _fill(ready="_comm._fast_ok" if gpu else "_comm._fast_ok and not _rt._pending",
                                 p2p="\n        _comm._p2p += 1" if spec.p2p else "",
-                                name=repr(spec.name), keep=keep, call=call, cname=repr(spec.name), post=post,
+                                name=repr(spec.name), keep=keep, call=call,
+                                cname=f"{spec.pair!r} if wd == 2 else {spec.name!r}" if pair else repr(spec.name),
+                                post=post,
                                 record=_record(comm) if gpu else "", ret=ret,
                                 not_ready="", **_serial(comm))
     sig = signature_text(spec)

@@ -128,6 +128,11 @@ class PlanContext:
         # dtype -> the dtype its reductions run in (oneCCL CPU bf16: float32)
         self.widened: Dict[torch.dtype, torch.dtype] = b.widened(comm._device.type)
         self.op_cache: Dict[Any, tuple] = {}
+        # C op -> the local op of a widened reduction's pair form (pair_op):
+        # two ranks and one widened dtype (the fast path's gather scratch is of it)
+        self.pair_ops: Dict[int, Callable[..., Any]] = {}
+        if self.size == 2 and len(self.widened) == 1:
+            self.pair_ops = {b.ops["SUM"]: torch.add, b.ops["PRODUCT"]: torch.mul}
         # PREMUL_SUM as the library's own reduction (NCCL >= 2.11:
         # ncclRedOpCreatePreMulSum), which multiplies each input before the
         # sum as torch does; SUM then scaling the result instead can overflow
@@ -187,6 +192,48 @@ class PlanContext:
                 raise NotSupportedError(f"{name} is not available on backend {self.backend.name!r}")
             getattr(self.lib, fname)  # raises FunctionNotFoundError naming the version
         return f
+
+    def pair_op(self, spec: CollectiveSpec, red: Any, kind: Optional[str]) -> Optional[Callable[..., Any]]:
+        """The local op of ``spec``'s widened reduction ``red`` run in its
+        pair form, or None: at two ranks, SUM or PRODUCT of a collective that
+        declares ``pair`` (all_reduce) gathers both ranks' inputs in their own
+        dtype and each rank computes ``op(rank 0's, rank 1's)`` itself.
+
+        The widened form's bits but a NaN's: at two ranks the float32
+        reduction is one operation on two exact conversions, fl32(a + b)
+        (fl32(a * b)), rounded once to bf16; torch's bf16 add and mul compute
+        exactly that and round it once, to nearest even, as the widened
+        form's copy back does, and both ranks compute it in the same order.
+        A NaN is a NaN at the same places on every rank, but its sign and
+        payload are torch's: its bf16 add/mul write 0xFFFF in their
+        vectorized loop and 0x7FC0 in a chunk's scalar remainder, where the
+        copy back always writes 0xFFFF. Making them the copy back's costs a
+        pass over the output, 4.4 us at 4 KB, more than the form saves
+        (tests/test_bf16_pair_review.py). Half the bytes move (the inputs in
+        bf16) and no float32 copy goes in: 1.6-1.9x oneCCL's own bf16 at 4 KB
+        where the widened form is 2.1-2.4x (docs/benchmarks.md). The fast
+        path and the general path decide it alike (dtype, op, world size: the
+        same on every rank), so a rank on either issues the same C call.
+        """
+        if kind is not None or not spec.pair or self.c.get(spec.pair) is None:
+            return None
+        return self.pair_ops.get(red)
+
+    def pair_plan(self, spec: CollectiveSpec, ts: Dict[str, torch.Tensor], send: torch.Tensor, n: int, d: int,
+                  op: Callable[..., Any], keep: tuple) -> Plan:
+        """``spec``'s reduction of ``send`` in its pair form (:meth:`pair_op`):
+        the inputs gathered into a buffer of this call's, then ``op`` of its
+        two halves into the output, untracked (as the widened form's copy)."""
+        assert spec.pair is not None
+        recv = ts[spec.recv] if spec.recv else send
+        g = torch.empty(2 * n, dtype=send.dtype, device=send.device)
+        g0, g1 = g[:n].view(recv.shape), g[n:].view(recv.shape)
+        vals = {"send": self.vp(send), "recv": self.vp(g), "count": n, "dtype": d, "comm": self.handle}
+        roles = c_roles(self.declarations, self.backend.funcs[spec.pair])
+        args = tuple(vals[r] for r in roles if r != "stream")
+        outs = tuple(ts[p.name] for p in spec.buffers if p.mutable)
+        post = _untracked(lambda: op(g0, g1, out=recv))
+        return Plan(self.need(spec.pair), args, post, tuple(ts.values()) + keep + (g,), outs, spec.pair)
 
     # ---------------------------------------------------------- checks
     def t(self, t: Any, name: str) -> torch.Tensor:
@@ -344,6 +391,8 @@ class PlanContext:
         if spec.reduces:
             red, kind, factor = self.reduction(a["op"], send.dtype, opname)
             applies = not spec.post_on_root_only or root == self.rank
+            if wide is not None and (pa := self.pair_op(spec, red, kind)) is not None:
+                return self.pair_plan(spec, ts, send, n, d, pa, keep)
             if wide is not None:
                 # Reduce through ``wide`` where the library's own reduction of
                 # this dtype rounds badly (backends._WIDENED): the input is

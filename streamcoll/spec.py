@@ -116,6 +116,10 @@ class CollectiveSpec:
     sizes: Tuple[Tuple[str, str, str], ...] = ()  # (buffer, relation, other): checked before the call
     root: Optional[str] = None     # the parameter naming the root rank
     reduces: bool = False          # takes ``op``; AVG/PREMUL_SUM may be emulated (post-op)
+    # At two ranks a SUM or PRODUCT through a wider dtype (backends._WIDENED)
+    # runs as this collective, an all-gather of the inputs, and one local op
+    # (plans.PlanContext.pair_op): the wider dtype's bits, half its bytes.
+    pair: Optional[str] = None
     post_on_root_only: bool = False
     # "param": async_op is a parameter (default False); "never": send/recv;
     # "always": isend/irecv/batch_isend_irecv.
@@ -434,7 +438,7 @@ _SUMOP = ReduceOp.SUM
     params=(_T("tensor", TENSOR, role="inout"), _T("op", OP, _SUMOP)),
     doc="Reduce ``tensor`` across ranks in place (torch.distributed.all_reduce).",
     c={"nccl": "ncclAllReduce", "oneccl": "onecclAllReduce"},
-    send="tensor", recv="tensor", count=("tensor", "numel"), reduces=True,
+    send="tensor", recv="tensor", count=("tensor", "numel"), reduces=True, pair="all_gather_into_tensor",
     compiled=True, functional_shape="same", fast=True, reference=ref_all_reduce,
     pg=('allreduce',), pg_params='tensors, opts=None, timeout=None',
     pg_map={'tensor': "_one(tensors, 'tensors')", 'op': '_op(opts)'},
