@@ -496,6 +496,8 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
                 op, seq, shapes = "destroy", self._seq, []
             raise handle_timeout(self, op, seq, t, shapes,
                                  "destroy: queued asynchronous work did not finish; native communicator left allocated")
+        if self._failed is None:
+            _debug.release(self)  # the keys its checks left in the store, once no rank reads them
         lock = self._rt.exec_lock  # not under another thread's launch or the watchdog's query
         # not acquire() then try: an interrupt at that call's end kept the lock (streams._TryLock)
         with _TryLock(lock, ABORT_LOCK_WAIT_S) as got:

@@ -32,13 +32,17 @@ read it).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import spec
 from .ops import canonical_op
 from .errors import CollectiveTimeout, MismatchError
+
+log = logging.getLogger("streamcoll.debug")
 
 __all__ = ["enable", "disable", "is_enabled", "maybe_install", "CHECKED", "Signatures", "signatures_for",
            "SIGNATURE_BOUND"]
@@ -196,7 +200,7 @@ WAITING: Dict[object, Tuple[Any, int, str]] = {}
 class _Checker:
     """The debug state of one communicator."""
 
-    def __init__(self, comm: Any, prefix: str = "dbg", label: str = "debug check", delete: bool = True) -> None:
+    def __init__(self, comm: Any, prefix: str = "dbg", label: str = "debug check") -> None:
         self.comm = comm
         store = comm._store
         if store is None:
@@ -204,21 +208,27 @@ class _Checker:
         self.store = store
         self.prefix = prefix
         self.label = label
-        self.delete = delete  # delete own key n - 2 (checks run in order; not the deferred first-call ones)
-        # A namespace per communicator object: communicators of the same name
-        # (two splits of one color, a re-init) must not read each other's keys.
+        # Keys of one communicator object: its name is unique in its store (a
+        # rendezvous gives each communicator a namespace of its own, and a
+        # split's children are named by the parent's split count); ``ns``
+        # counts this communicator's checkers of this kind (debug mode turned
+        # on again), on every rank alike: enable() is collective. No store key.
         self.comm_key = f"{comm.name}/{comm._size}"
-        self.ns = (int(store.add(f"{prefix}/ns/{self.comm_key}", 1)) - 1) // comm._size
+        made = comm.__dict__.setdefault("_checkers_made", {})
+        self.ns = made[prefix] = made.get(prefix, -1) + 1
+        self.key = f"{prefix}/{self.comm_key}/{self.ns}/{{}}/{{}}"
         self.n = 0
+        self.last = 0  # the number of the last check this rank completed (its key is still in the store)
         self.handle: Any = None
         self.sig: Optional["Signatures"] = None  # the first-call checks, set aside while this is on
 
     def check(self, name: str, fp: dict, n: Optional[int] = None, store: Any = None,
-              seq: Optional[int] = None) -> None:
+              seq: Optional[int] = None, poll: bool = False) -> None:
         """Check number ``n`` (default: the next one) of ``fp`` across ranks
         (through ``store``, default the communicator's). ``seq``: the call's
         sequence number where it is not the next one (a deferred check runs
-        on the comm thread after its call took its number)."""
+        on the comm thread after its call took its number). ``poll``: wait
+        by polling (:func:`_poll_wait`), not in the server."""
         comm = self.comm
         deferred = seq is not None
         if seq is None:
@@ -234,7 +244,7 @@ class _Checker:
         store = self.store if store is None else store
         # the communicator's name and size in the key: communicators on one store (a split's
         # children share their parent's) each count their checks from 1
-        key = f"{self.prefix}/{self.comm_key}/{self.ns}/{{}}/{{}}"
+        key = self.key
         store.set(key.format(n, me), json.dumps(fp, default=repr))
         keys = [key.format(n, r) for r in range(size)]
         how = "async, comm thread" if deferred else "synchronous"
@@ -243,7 +253,10 @@ class _Checker:
             WAITING[tag] = (comm, seq, f"{name} (sequence number {seq}, {how}) on communicator {comm.name!r} "
                             f"(rank {me} of {size}, {comm.backend}): in its {self.label} #{n}, waiting in the "
                             "store for the other ranks before any native call")
-            store.wait(keys, timedelta(seconds=comm.timeout))
+            if poll:
+                _poll_wait(store, keys, comm.timeout)
+            else:
+                store.wait(keys, timedelta(seconds=comm.timeout))
         except Exception as e:
             missing = [r for r in range(size) if not store.check([keys[r]])]
             if not missing:
@@ -256,9 +269,13 @@ class _Checker:
             WAITING.pop(tag, None)
         vals = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
         fps = [json.loads(v) for v in vals]
-        if n > 2 and self.delete:
+        # A communicator's checks run one at a time, in the same order on every rank: every rank
+        # set its key of check n after it had read every key of check n - 1, so this rank's key of
+        # n - 1 is read by all (the last check's keys: release(), at destroy).
+        self.last = n
+        if n > 1:
             try:
-                store.delete_key(key.format(n - 2, me))
+                store.delete_key(key.format(n - 1, me))
             except Exception:
                 pass
         why, odd = _compare(fps, size)
@@ -270,6 +287,47 @@ class _Checker:
             err.ranks = odd
             err.calls = fps
             raise err
+
+
+    def release(self) -> None:
+        """The communicator is destroyed: the last of its ranks to get here
+        removes every rank's key of the last check (one counter in the
+        store; the other keys went as the checks ran). A rank that never
+        destroys it leaves its last key behind."""
+        n, self.last = self.last, 0
+        if not n:
+            return
+        store, size = self.store, self.comm._size
+        try:
+            if int(store.add(self.key.format(n, "left"), 1)) >= size:
+                for r in range(size):
+                    store.delete_key(self.key.format(n, r))
+                store.delete_key(self.key.format(n, "left"))
+        except Exception as e:  # the store's server gone (rank 0 exited first): nothing left to clean
+            log.debug("could not remove the keys of %s #%d of communicator %r: %s", self.label, n,
+                      self.comm.name, e)
+
+
+def _poll_wait(store: Any, keys: List[str], timeout: float) -> None:
+    """Wait until every key in ``keys`` is set, by polling ``check``: each
+    request is short, so a store client shared with another thread (a store
+    that cannot be cloned) is never held for the whole wait, as a
+    server-side ``wait`` would hold it. Raises TimeoutError past ``timeout``."""
+    deadline = time.monotonic() + timeout
+    pause = 0.0001
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"keys not set within {timeout:g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.005)
+
+
+def release(comm: Any) -> None:
+    """Called by ``Communicator.destroy``: the store keys its checks left."""
+    for ch in (getattr(getattr(comm, "_sig", None), "_checker", None), getattr(comm, "_debug", None),
+               getattr(getattr(getattr(comm, "_debug", None), "sig", None), "_checker", None)):
+        if ch is not None:
+            ch.release()
 
 
 def enable(comm: Any) -> None:
@@ -357,11 +415,24 @@ _FIRST = frozenset(n for n in _ARGS if n not in ("split", "barrier"))
 
 class Signatures:
     """The default check: each distinct call signature (the collective,
-    each tensor's element count and dtype, the reduction, the root) is
+    each tensor's element count and dtype, the reduction, the root, and for
+    all-to-all what each rank sends to and expects from each other) is
     checked across ranks the first time this communicator sees it, through
     the store exactly as debug mode checks every call (a mismatch raises
     :class:`~streamcoll.MismatchError` on every rank before any C call),
     up to ``bound`` signatures; a signature seen before costs no exchange.
+
+    Rank-symmetric by construction: a check is numbered, and whether a call
+    needs one is decided, where the call runs, and a communicator's calls
+    run in issue order (the CPU comm thread's queue; a GPU launch on the
+    issuing thread). An async call's check runs right before its C call;
+    a synchronous call made while async work is queued first lets that
+    work (and its checks) finish. So after the same calls every rank holds
+    the same ``seen`` (signatures whose check passed), the same check
+    number and the same count against the bound, whatever the timing: a
+    second call of a signature whose first check is still pending is
+    checked again if that check failed, and not if it passed, on every rank
+    alike. A signature found in ``seen`` when issued passed on every rank.
 
     Correct programs call the same sequence of collectives with the same
     signatures on every rank, so every rank checks at the same calls. The
@@ -378,81 +449,110 @@ class Signatures:
     def __init__(self, comm: Any, bound: int) -> None:
         self.comm = comm
         self.bound = bound
-        self.seen: set = set()   # signatures checked (or past the bound)
+        self.seen: set = set()   # signatures whose check passed (decided where calls run)
         self.fast: set = set()   # fast-path keys whose signature needs no check
         self._checker: Optional[_Checker] = None
-        self._async_store: Any = None  # the deferred checks' store connection (a clone)
+        self._async_store: Any = None  # the deferred checks' store connection (a clone), or False: none
         self.checks = 0
 
     def _key(self, name: str, args: tuple) -> Optional[tuple]:
         s = spec.TABLE[name]
-        exact, loose, _ = _ARGS[name]
+        exact, loose, cross = _ARGS[name]
         a = dict(zip(s.param_names, args))
-        return (name,) + tuple((k, _coarse(k, a.get(k), True)) for k in exact) + \
+        key = (name,) + tuple((k, _coarse(k, a.get(k), True)) for k in exact) + \
             tuple((k, _coarse(k, a.get(k), False)) for k in loose)
+        if cross:  # all-to-all: what this rank sends to, and expects from, each rank
+            c = _counts(cross, a, self.comm._size)
+            key += (("_counts", None if c is None else (tuple(c[0]), tuple(c[1]))),)
+        return key
 
-    def first(self, s: Any, args: tuple, plan: Any = None, async_op: Any = False) -> None:
-        """Check ``s``'s call with ``args`` across ranks if its signature is
-        new. An async call (``plan`` given) is checked where its C call
-        runs, right before it (the comm thread on the CPU): ``async_op=True``
-        still returns before the peers arrive, and a mismatch is the Work's
-        error. Check numbers are taken here, in issue order, so checks that
-        run out of order (a deferred one behind a synchronous one) still
-        meet their peers' same-numbered checks."""
-        name = s.name
-        if name not in _FIRST:
-            return
-        if not self.comm._usable:
-            return  # failed or destroyed: the launch raises why, at once (no wait for peers in the store)
-        key = self._key(name, args)
-        if key is None or key in self.seen:
-            return
-        if len(self.seen) >= self.bound:
-            return
+    def _due(self, key: tuple) -> bool:
+        """Whether a call of ``key`` is checked now (where it runs)."""
+        return key not in self.seen and len(self.seen) < self.bound
+
+    def _check(self, name: str, key: tuple, store: Any = None, seq: Optional[int] = None,
+               poll: bool = False) -> None:
+        """Number and run the check of ``key`` (where its call runs, in issue
+        order); ``seen`` takes it once it passed on every rank."""
         ch = self._checker
         if ch is None:
             # created at the first check, not with the communicator: creating one costs no store request
-            ch = self._checker = _Checker(self.comm, prefix="sig", label="first-call check", delete=False)
+            ch = self._checker = _Checker(self.comm, prefix="sig", label="first-call check")
         fp: Dict[str, Any] = {"call": name}
         for k, v in key[1:]:
-            fp[k] = _shown(v)
+            fp[k] = _shown(v) if k != "_counts" else (None if v is None else [list(v[0]), list(v[1])])
         self.checks += 1
         ch.n += 1
-        n = ch.n
-        if async_op is True and plan is not None:
-            fn = plan.fn
-            # a connection of its own: the comm thread's wait must not queue behind (or block) a
-            # synchronous check of the calling thread on the same client (measured: they deadlocked)
-            if self._async_store is None:
-                try:
-                    self._async_store = ch.store.clone()
-                except Exception:
-                    self._async_store = ch.store
-            st = self._async_store
+        ch.check(name, fp, ch.n, store, seq, poll)
+        self.seen.add(key)  # passed (a mismatch stays unseen: the same call again is checked again)
 
-            seq = self.comm._seq + 1  # the number this call takes right after (under the exec lock)
+    def _deferred_store(self) -> Tuple[Any, bool]:
+        """The store a deferred check uses, and whether it must poll: a
+        connection of its own (a clone), so that the comm thread's wait
+        neither queues behind nor blocks another thread's request on the
+        same client (measured: they deadlocked); a store that cannot be
+        cloned (a framework's own ``dist.Store`` subclass) is shared, and
+        polled instead of waited on in its server."""
+        st = self._async_store
+        if st is None:
+            if self._checker is None:
+                self._checker = _Checker(self.comm, prefix="sig", label="first-call check")
+            try:
+                st = self._checker.store.clone()
+            except Exception as e:
+                log.debug("communicator %r: its store cannot be cloned (%s): deferred checks poll it",
+                          self.comm.name, e)
+                st = False
+            self._async_store = st
+        return (self._checker.store, True) if st is False else (st, False)  # type: ignore[union-attr]
+
+    def first(self, s: Any, args: tuple, plan: Any = None, async_op: Any = False) -> None:
+        """Check ``s``'s call with ``args`` across ranks if its signature is
+        new (the class docstring: decided where the call runs). An async
+        call (``plan`` given) is checked right before its C call (the comm
+        thread on the CPU): ``async_op=True`` still returns before the peers
+        arrive, and a mismatch is the Work's error. A synchronous one is
+        checked here, after the async work queued before it."""
+        name = s.name
+        if name not in _FIRST:
+            return
+        comm = self.comm
+        if not comm._usable:
+            return  # failed or destroyed: the launch raises why, at once (no wait for peers in the store)
+        key = self._key(name, args)
+        if key is None or not self._due(key):
+            return  # passed on every rank (it is in seen), or past the bound: no rank checks it
+        coalescing = comm._coalescing is not None
+        if async_op is True and plan is not None and not coalescing:
+            fn = plan.fn
+            st, poll = self._deferred_store()
+            seq = comm._seq + 1  # the number this call takes right after (under the exec lock)
 
             def checked(*a: Any) -> Any:
-                try:
-                    ch.check(name, fp, n, st, seq)
-                except BaseException:
-                    self.seen.discard(key)  # a mismatch: the same call again is checked again
-                    raise
+                if self._due(key):  # decided in issue order: a pending check of key has run by now
+                    self._check(name, key, st, seq, poll)
                 return fn(*a)
 
             plan.fn = checked
-            self.seen.add(key)
             return
-        ch.check(name, fp, n)
-        self.seen.add(key)  # passed: not again (a mismatch stays checkable: a retry must not go unchecked)
+        rt = comm._rt
+        if getattr(rt, "_pending", 0):
+            # async work queued before this call runs (and is checked) first, in issue order
+            from .work import POSTING, launch_posted
+            if POSTING:
+                launch_posted()  # posted p2p first: that work may wait on it
+            rt.drain()
+            if not self._due(key) or not comm._usable:
+                return
+        self._check(name, key)
 
     def first_fast(self, fk: tuple, s: Any, args: tuple, async_op: bool = False) -> bool:
         """A fast path's key ``fk`` missed: check the signature (a
         synchronous call), then remember ``fk``; True: the fast path goes on.
-        False for an async call of a new signature: the fast path hands it
-        to the general method, which checks it right before its C call."""
-        if async_op and s.name in _FIRST and self.comm._usable and len(self.seen) < self.bound \
-                and self._key(s.name, args) not in self.seen:
+        False for an async call of a signature not known to have passed: the
+        fast path hands it to the general method, which checks it right
+        before its C call."""
+        if async_op and s.name in _FIRST and self.comm._usable and self._due(self._key(s.name, args)):
             return False
         self.first(s, args)
         if len(self.fast) < FAST_KEYS_MAX:  # past it (sizes without end), a new size costs a frame, no growth

@@ -37,6 +37,14 @@ from .errors import CommunicatorError
 __all__ = ["Runtime", "CpuRuntime", "CudaRuntime", "XpuRuntime", "Lane", "runtime_for"]
 
 
+#: How long a quietly queued call (a small CPU async call,
+#: ``Communicator.inline_async_bytes``) may wait for its issuer to run it
+#: itself (``Work.wait()``: no thread hand-off) before the comm thread starts
+#: it: the most a peer waits on a call this rank issued and then did other
+#: things before waiting (the rule: :mod:`streamcoll.work`).
+QUIET_START_NS = 1_000_000
+
+
 class Lane:
     """A comm stream serving one (device, current stream) key."""
 
@@ -253,6 +261,10 @@ class CpuRuntime(Runtime):
         self._done_cv = threading.Condition(lock)
         self._waiters = 0
         self._pending = 0
+        self._idle = False   # the comm thread waits with no deadline: queueing quietly wakes it (_loop)
+        self._hurry = False  # nudged: quietly queued work starts now, not at its deadline
+        self._last_quiet = 0  # when the last quiet call was queued (monotonic ns)
+        self.quiet_start_ns = QUIET_START_NS
         self._thread: Optional[threading.Thread] = None
         self._closed = False
         self._failed = False
@@ -290,6 +302,7 @@ class CpuRuntime(Runtime):
         if blocking:
             with self._mutex:  # not acquire() then try: an interrupt between them would leak the lock
                 if self._queue and self.running is None:
+                    self._hurry = True
                     self._work_cv.notify()
             return
         # A finaliser never waits for the lock: the thread it runs on may
@@ -303,6 +316,7 @@ class CpuRuntime(Runtime):
             if got:
                 try:
                     if self._queue and self.running is None:
+                        self._hurry = True
                         self._work_cv.notify()
                 finally:
                     self._mutex.release()
@@ -323,8 +337,13 @@ class CpuRuntime(Runtime):
             if self._thread is None:
                 self._spawn()
             # woken now, it takes _mutex after us and finds the item: a notify
-            # after the append could be lost to an interrupt, the item never seen
-            if not item.quiet:
+            # after the append could be lost to an interrupt, the item never seen.
+            # Quiet: only an idle comm thread (one waiting with a deadline finds it then)
+            if item.quiet:
+                self._last_quiet = item.entry.t_enq
+                if self._idle:
+                    self._work_cv.notify()
+            else:
                 self._work_cv.notify()
             n = self._pending  # changed only under _mutex
             ts = self.turnstile
@@ -358,13 +377,35 @@ class CpuRuntime(Runtime):
             self._thread = me
         q = self._queue
         cond = self._work_cv
+        now = time.monotonic_ns
         while True:
             with cond:
                 # running set and not popped here: an item a waiter runs on its own thread (run_here)
-                while not q or self.running is not None:
+                while True:
+                    if q and self.running is None:
+                        head = q[0]
+                        if not head.quiet or self._hurry:
+                            break
+                        # quietly queued: its issuer may still run it itself (run_here) until its
+                        # deadline, quiet_start_ns after it was issued; then this thread starts it
+                        left = head.entry.t_enq + self.quiet_start_ns - now()
+                        if left <= 0:
+                            break
+                        cond.wait(left / 1e9)
+                        continue
                     if self._closed and not q and self.running is None:
                         return
-                    cond.wait()
+                    if not q:
+                        self._hurry = False
+                    # nothing to start now (an empty queue, or a waiter runs the head): while quiet
+                    # calls flow, look again within quiet_start_ns unasked (their queueing wakes no
+                    # one); idle after a quiet spell, then the next quiet call wakes this thread
+                    if now() - self._last_quiet < self.quiet_start_ns:
+                        cond.wait(self.quiet_start_ns / 1e9)
+                    else:
+                        self._idle = True
+                        cond.wait()
+                        self._idle = False
                 item = q.popleft()
                 self.running = item  # under the lock: fail() sees it either queued or running
             self._run(item)
@@ -510,6 +551,24 @@ class CpuRuntime(Runtime):
             finally:
                 self._waiters -= 1
         return True
+
+    def drain(self) -> None:
+        """Wait until the work queued so far has completed (or the
+        communicator failed, which ends it): what a synchronous call that
+        must act after that work, before its own C call, waits for (its
+        first-call check: :class:`streamcoll.debug.Signatures`). Quietly
+        queued work is started now. No timeout of its own: stuck work is
+        the watchdog's, whose failure ends it."""
+        with self._mutex:
+            if self._queue and self.running is None:
+                self._hurry = True
+                self._work_cv.notify()
+            self._waiters += 1
+            try:
+                while self._pending and not self._failed:
+                    self._done_cv.wait()
+            finally:
+                self._waiters -= 1
 
     def completion_event(self, lane: Lane, token: _Item) -> CpuEvent:
         ev = lane.pool.pop() if lane.pool else None

@@ -240,3 +240,158 @@ def test_mismatch_through_torch_distributed_like_gloo_detail(tmp_path, case):
     if case == "shape":
         assert "float32[4 elements]" in sc[0]["message"] and "float32[8 elements]" in sc[0]["message"]
         assert "float32[4]" in detail[0]["message"] and "float32[8]" in detail[0]["message"]
+
+
+# ------------------------------- later calls of a signature whose check failed
+def _second_call(comm, second, n0):
+    """Rank 1's tensor is twice rank 0's (a new signature on both ranks).
+    The first call is async (its check runs where its C call runs); the
+    ``second`` one, issued before the first was waited, must be checked
+    too: on today's code it was not (its key was 'seen' when the first was
+    issued), and rank 1 returned a partial sum while rank 0 hung."""
+    r = comm.rank
+    x = torch.ones(n0 * (2 if r == 1 else 1))
+    res = {}
+    w1 = comm.all_reduce(x, async_op=True)
+    w2 = None
+    try:
+        if second == "sync":
+            comm.all_reduce(x)
+        else:
+            w2 = comm.all_reduce(x, async_op=True)
+        res["second"] = None
+    except Exception as e:  # noqa: BLE001 - compared in the parent
+        res["second"] = type(e).__name__
+    for k, w in (("first", w1), ("second", w2)):
+        if w is None:
+            continue
+        try:
+            w.wait()
+            res[k] = None
+        except Exception as e:  # noqa: BLE001
+            res[k] = type(e).__name__
+    # a retry of the same mismatched call is checked again (it raises again, on both ranks)
+    try:
+        comm.all_reduce(x)
+        res["retry"] = None
+    except Exception as e:  # noqa: BLE001
+        res["retry"] = type(e).__name__
+    res["x"] = sorted(set(x.tolist()))  # untouched: no C call was made
+    u = torch.full((3,), float(r + 1))
+    comm.all_reduce(u)  # still usable
+    res["after"] = u.tolist()
+    # the same size on both ranks now: rank 0's signature is new to rank 1 and checked, then reduced
+    y = torch.ones(n0)
+    comm.all_reduce(y, async_op=True).wait()
+    res["y"] = sorted(set(y.tolist()))
+    return res
+
+
+@pytest.mark.parametrize("second,n0", [("small_async", 2053), ("large_async", 40009), ("sync", 2063),
+                                       ("sync_after_large", 40013)])
+def test_a_second_call_of_a_failed_signature_is_checked_on_every_rank(second, n0):
+    w = get_world(2)
+    res = w.run(_second_call, "sync" if second == "sync_after_large" else second, n0, timeout=60)
+    for r, x in enumerate(res):
+        assert x["first"] == "MismatchError" and x["second"] == "MismatchError", (r, res)
+        assert x["retry"] == "MismatchError", (r, res)
+        assert x["x"] == [1.0] and x["after"] == [3.0] * 3 and x["y"] == [2.0], (r, res)
+
+
+def _rank_symmetric_state(comm, n0):
+    """After the same calls, whatever the timing, every rank keeps the same
+    check state: the signatures it counts as checked and its check number."""
+    r = comm.rank
+    sig = comm._sig
+    xs = [torch.ones(n0 + i) for i in range(3)]
+    bad = torch.ones(n0 + 7 + (r * 3))
+    if r == 0:
+        time.sleep(0.05)  # rank 1's comm thread runs its checks first
+    works = [comm.all_reduce(x, async_op=True) for x in xs]
+    wb = comm.all_reduce(bad, async_op=True)
+    works.append(comm.all_reduce(xs[0], async_op=True))
+    if r == 1:
+        time.sleep(0.05)
+    errs = []
+    for w in works + [wb]:
+        try:
+            w.wait()
+            errs.append(None)
+        except Exception as e:  # noqa: BLE001
+            errs.append(type(e).__name__)
+    ch = sig._checker
+    return {"errs": errs, "n": ch.n, "seen": sorted(repr(k) for k in sig.seen if k[1][1][1] in
+                                                       [n0, n0 + 1, n0 + 2])}
+
+
+def test_check_state_is_the_same_on_every_rank_after_the_same_calls():
+    w = get_world(2)
+    res = w.run(_rank_symmetric_state, 3001, timeout=60)
+    assert res[0]["errs"] == res[1]["errs"] == [None, None, None, None, "MismatchError"], res
+    assert res[0]["n"] == res[1]["n"] and res[0]["seen"] == res[1]["seen"] and len(res[0]["seen"]) == 3, res
+
+
+# -------------------------------------------------- all-to-all counts (finding 4)
+def _a2a_mismatch(comm, case, n0):
+    r = comm.rank
+    size = comm.size
+    res = {}
+    try:
+        if case == "single_even":
+            n = n0 * size * (2 if r == 1 else 1)
+            inp, out = torch.ones(n), torch.zeros(n)
+            comm.all_to_all_single(out, inp)
+        elif case == "single_splits":
+            # rank 1 says it sends 1 element to rank 0, rank 0 expects 2 from it
+            ins = [n0] * size if r == 0 else [n0 - 1] + [n0] * (size - 1)
+            inp, out = torch.ones(sum(ins)), torch.zeros(n0 * size)
+            comm.all_to_all_single(out, inp, [n0] * size, ins)
+        else:  # list form, rank 1's tensors longer
+            m = n0 * (2 if r == 1 else 1)
+            comm.all_to_all([torch.zeros(m) for _ in range(size)], [torch.ones(m) for _ in range(size)])
+        res["raised"] = None
+    except Exception as e:  # noqa: BLE001
+        res["raised"] = type(e).__name__
+        res["message"] = str(e)
+    u = torch.full((3,), float(r + 1))
+    comm.all_reduce(u)
+    res["after"] = u.tolist()
+    return res
+
+
+@pytest.mark.parametrize("case,n0", [("single_even", 211), ("single_splits", 223), ("list", 227)])
+def test_all_to_all_count_mismatch_raises_on_every_rank(case, n0):
+    w = get_world(2)
+    res = w.run(_a2a_mismatch, case, n0, timeout=60)
+    for r, x in enumerate(res):
+        assert x["raised"] == "MismatchError" and "first-call check" in x["message"], (r, res)
+        assert "counts disagree" in x["message"] or "instead of" in x["message"], (r, res)
+        assert x["after"] == [3.0] * 3, (r, res)
+
+
+# ------------------------------------------------ store keys (finding 6)
+def _store_keys_after_cycles(comm, cycles):
+    """Split, three new signatures, destroy, ``cycles`` times: the store
+    holds no more keys afterwards than before (the keys of each check are
+    removed once every rank has read them, the last ones at destroy)."""
+    import torch.distributed as dist
+    base = comm._store
+    comm.barrier()
+    k0 = base.num_keys()
+    for i in range(cycles):
+        c = comm.split(0)
+        for j in range(3):
+            c.all_reduce(torch.ones(5 + j + 10 * i))
+        c.all_reduce(torch.ones(7 + 10 * i), async_op=True).wait()
+        c.destroy()
+    comm.barrier()
+    dist  # noqa: B018
+    return {"before": k0, "after": base.num_keys()}
+
+
+def test_check_keys_are_removed_from_the_store():
+    w = get_world(2)
+    res = w.run(_store_keys_after_cycles, 12, timeout=120)
+    # the split's own key (the all-gather of colors is a collective: no store key) and rendezvous
+    # counters are not the checks': compared before and after on rank 0, which the barrier follows
+    assert res[0]["after"] - res[0]["before"] <= 0, res
