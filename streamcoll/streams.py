@@ -173,10 +173,11 @@ class Runtime:
 class _Item:
     """One queued call on the CPU comm thread: ``runner(plan, entry, handle)``."""
 
-    __slots__ = ("runner", "plan", "entry", "done", "exc", "callbacks", "ticket", "quiet", "started")
+    __slots__ = ("runner", "plan", "entry", "done", "exc", "callbacks", "ticket", "quiet", "started", "t_quiet")
 
     def __init__(self, runner, plan, entry, quiet: bool = False) -> None:
         self.quiet = quiet  # queued without waking the comm thread (CpuRuntime.submit)
+        self.t_quiet = 0  # quiet: when it was queued (monotonic ns); it starts by t_quiet + quiet_start_ns
         self.ticket = -1  # its turn in the process (Backend.turnstile), taken when queued; -1: none
         self.runner = runner
         self.plan = plan
@@ -340,7 +341,8 @@ class CpuRuntime(Runtime):
             # after the append could be lost to an interrupt, the item never seen.
             # Quiet: only an idle comm thread (one waiting with a deadline finds it then)
             if item.quiet:
-                self._last_quiet = item.entry.t_enq
+                e = item.entry  # a call's flight entry: its issue time, read, not taken again
+                self._last_quiet = item.t_quiet = e.t_enq if e is not None else time.monotonic_ns()
                 if self._idle:
                     self._work_cv.notify()
             else:
@@ -388,7 +390,7 @@ class CpuRuntime(Runtime):
                             break
                         # quietly queued: its issuer may still run it itself (run_here) until its
                         # deadline, quiet_start_ns after it was issued; then this thread starts it
-                        left = head.entry.t_enq + self.quiet_start_ns - now()
+                        left = head.t_quiet + self.quiet_start_ns - now()
                         if left <= 0:
                             break
                         cond.wait(left / 1e9)

@@ -22,8 +22,8 @@ When a small async call starts (CPU; its largest buffer at most
 ``Communicator.inline_async_bytes``, ``STREAMCOLL_INLINE_ASYNC_BYTES``,
 default 65536): it takes its sequence number and its turn in the process
 when issued, like any async call, and is queued on the communicator's comm
-thread *without waking it* (a wake-up and the hand-back cost 50-90 us
-against a ~10-20 us call). It starts at the first of:
+thread without waking it for each call (a wake-up and the hand-back cost
+50-90 us against a ~10-20 us call). It starts at the first of:
 
 - ``wait()`` without a timeout: the caller would block until it completed
   anyway, so it runs the call itself, on its own thread, if the call is
@@ -36,14 +36,25 @@ against a ~10-20 us call). It starts at the first of:
 - any later call on the same communicator (it is queued behind, and its
   queueing wakes the comm thread), any call anywhere in the process that
   waits for its turn behind it (``Turnstile.wait`` wakes it), destroy;
-- the next watchdog pass (every ``min(0.5 s, timeout / 10)``; with
-  ``STREAMCOLL_WATCHDOG=off`` too): a caller blocked on something else
-  between issue and wait (a store handshake, a gloo group) still sees it go
-  out, up to a pass later.
+- its deadline, ``streams.QUIET_START_NS`` (1 ms) after it was issued: the
+  comm thread starts it then, whatever its issuer does meanwhile (Python
+  code, a sleep, another library's C call, a store wait). The comm thread
+  keeps that deadline without a wake-up per call: an idle one is woken by
+  the first quiet call, then looks at the queue at least every 1 ms while
+  quiet calls keep coming, and goes idle after a quiet millisecond.
 
-So a small async call never blocks its caller on its peers, and completes in
-issue order with everything else; ``inline_async_bytes = 0`` queues every
-async call with a wake-up (no run on the caller's thread, no delay).
+The rule, from the peers' side: an ``async_op=True`` call is in flight
+within 1 ms of being issued (plus the time the comm thread waits for the
+GIL while the issuer runs Python: at most the interpreter's switch interval,
+5 ms), on every path. A peer that issued the call later and waits for it
+waits as it would on gloo (``tests/test_async_contract.py``: 0.2-0.6 ms
+behind an issuer busy for 0.3 s, gloo 0.5-3 ms in the same run; before,
+until the issuer's wait or a watchdog pass, 170-480 ms). The cost to the
+issuer: an issue-then-wait within 1 ms runs on its own thread as before;
+a longer gap gets the comm thread's hand-back, which it would have got with
+``inline_async_bytes = 0`` (every async call woken at once). So a small
+async call never blocks its caller on its peers, and completes in issue
+order with everything else.
 """
 from __future__ import annotations
 

@@ -144,7 +144,68 @@ def w_destroy_while_queued(comm, seed: int):
     return ([t.tolist() for t in xa] == want and ok_done and z.tolist() == [3.0] * 3), sh.sleeps
 
 
+def w_mismatch_async_then_sync(comm, seed: int):
+    """A mismatched signature (rank 1's tensor longer), new on both ranks,
+    issued async and then synchronously before the async one is waited:
+    both raise MismatchError on every rank whatever the interleaving (the
+    second call's check is decided where it runs, after the first's), no C
+    call is made, and the communicator's next calls give gloo's values."""
+    _setup(comm)
+    n = 3000 + 10 * seed + 2 * len(_STATE.setdefault("mm", []))
+    _STATE["mm"].append(n)
+    bad = torch.ones(n + (5 if comm.rank == 1 else 0))
+    xs = _inputs(comm, seed, 3, 64)
+    want = _ref(xs)
+    errs = []
+    with Shuffler(seed * 10 + comm.rank) as sh:
+        w = comm.all_reduce(bad, async_op=True)
+        try:
+            comm.all_reduce(bad)
+            errs.append(None)
+        except Exception as e:  # noqa: BLE001
+            errs.append(type(e).__name__)
+        try:
+            w.wait()
+            errs.append(None)
+        except Exception as e:  # noqa: BLE001
+            errs.append(type(e).__name__)
+        for x in xs:
+            comm.all_reduce(x, async_op=True).wait()
+    ok = errs == ["MismatchError", "MismatchError"] and bad.eq(1).all().item()
+    return ok and [x.tolist() for x in xs] == want, sh.sleeps
+
+
+def w_busy_issuer(comm, seed: int):
+    """Asymmetric ranks: rank 0 issues small async calls and spends 30 ms
+    elsewhere (asleep) before each wait; rank 1 issues and waits at once,
+    timed. Its waits stay far below rank 0's 30 ms (the quiet call's
+    deadline: it is in flight within 1 ms of being issued), values gloo's.
+    (Rank 0 in Python holding the GIL: tests/test_async_contract.py, without
+    the tracer, whose sleeps hand the GIL back and forth 5 ms at a time.)"""
+    _setup(comm)
+    xs = _inputs(comm, seed, 4, 16)
+    want = _ref(xs)
+    xa = [x.clone() for x in xs]
+    waits = []
+    with Shuffler(seed * 10 + comm.rank) as sh:
+        for x in xa:
+            _STATE["gloo"].barrier().wait()
+            if comm.rank == 0:
+                w = comm.all_reduce(x, async_op=True)
+                time.sleep(0.03)
+                w.wait()
+            else:
+                time.sleep(0.005)
+                t0 = time.monotonic()
+                comm.all_reduce(x, async_op=True).wait()
+                waits.append(time.monotonic() - t0)
+    ok = [x.tolist() for x in xa] == want
+    return ok and (comm.rank == 0 or sorted(waits)[len(waits) // 2] < 0.015), sh.sleeps
+
+
 SCENARIOS = {"async_on_a_sync_on_b": w_async_on_a_sync_on_b,
+             "mismatch_async_then_sync": w_mismatch_async_then_sync,
+             "busy_issuer": w_busy_issuer,
              "callbacks_issue_collectives": w_callbacks_issue_collectives,
              "destroy_while_queued": w_destroy_while_queued}
 

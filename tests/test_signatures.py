@@ -395,3 +395,97 @@ def test_check_keys_are_removed_from_the_store():
     # the split's own key (the all-gather of colors is a collective: no store key) and rendezvous
     # counters are not the checks': compared before and after on rank 0, which the barrier follows
     assert res[0]["after"] - res[0]["before"] <= 0, res
+
+
+# ------------------------------- a store that cannot be cloned (finding 9)
+class _NoCloneStore:
+    """Made in the rank: a framework's own ``dist.Store`` subclass that
+    delegates to one TCPStore client and has no ``clone()``. ``slow`` makes
+    ``set`` from one kind of thread wait first, so that on rank 0 the main
+    thread takes the shared client before the comm thread and on rank 1 the
+    comm thread before the main thread: the order in which a server-side
+    wait on a shared client deadlocks."""
+
+
+def _make_noclone(inner, slow_thread):
+    import threading
+    import torch.distributed as dist
+
+    class NoClone(dist.Store):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def set(self, k, v):
+            main = threading.current_thread() is threading.main_thread()
+            if (slow_thread == "comm" and not main) or (slow_thread == "main" and main):
+                time.sleep(0.3)
+            return self.inner.set(k, v)
+
+        def get(self, k):
+            return self.inner.get(k)
+
+        def add(self, k, n):
+            return self.inner.add(k, n)
+
+        def check(self, keys):
+            return self.inner.check(keys)
+
+        def wait(self, keys, timeout=None):
+            return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+        def delete_key(self, k):
+            return self.inner.delete_key(k)
+
+        def compare_set(self, k, e, d):
+            return self.inner.compare_set(k, e, d)
+
+        def multi_get(self, keys):
+            return [self.inner.get(k) for k in keys]
+
+        def num_keys(self):
+            return self.inner.num_keys()
+
+    return NoClone()
+
+
+def _noclone(comm, port, n0):
+    """A communicator P on a store that cannot be cloned, and its split C
+    (same store): P's async call of a new signature (its check on P's comm
+    thread) and C's synchronous one (its check on the calling thread) at
+    once. Before: the comm thread's check waited in the server on the shared
+    client while the caller's blocked behind it, and the reverse on the
+    other rank: both hung until the timeout."""
+    from datetime import timedelta
+    import torch.distributed as dist
+    r = comm.rank
+    tcp = dist.TCPStore("127.0.0.1", port, comm.size, r == 0, timeout=timedelta(seconds=30))
+    store = _make_noclone(tcp, "comm" if r == 0 else "main")
+    p = streamcoll.new_communicator(backend="oneccl", device="cpu", store=store, rank=r, world_size=comm.size,
+                                    name="noclone", timeout=20)
+    c = p.split(0)
+    out = {}
+    try:
+        big = torch.ones(n0 * 64)  # above the quiet size: the comm thread starts at once
+        small = torch.ones(n0)
+        t0 = time.monotonic()
+        w = p.all_reduce(big, async_op=True)
+        c.all_reduce(small)
+        w.wait()
+        out = {"s": time.monotonic() - t0, "big": sorted(set(big.tolist())), "small": sorted(set(small.tolist())),
+               "polled": p._sig._async_store is False}
+    finally:
+        c.destroy()
+        p.destroy()
+        tcp.set(f"left{r}", "1")
+        if r == 0:
+            tcp.wait([f"left{i}" for i in range(comm.size)])
+    return out
+
+
+def test_checks_on_a_store_without_clone_do_not_deadlock():
+    w = get_world(2)
+    res = w.run(_noclone, free_port(), 1031, timeout=90)
+    for x in res:
+        assert x["big"] == [2.0] and x["small"] == [2.0] and x["polled"], res
+        assert x["s"] < 10, res
