@@ -14,6 +14,7 @@ through :meth:`AsyncLaunch._launch_async` (:mod:`streamcoll.p2p`).
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, Optional
@@ -36,6 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["AsyncLaunch"]
 
 _now = time.monotonic_ns
+_get_ident = threading.get_ident
 _wref = weakref.ref
 
 
@@ -199,10 +201,24 @@ class AsyncLaunch:
         """Complete ``work``'s future once the collective has: the comm thread
         (CPU) or a poller (GPU) sees it done and hands the completion to the
         callback thread (:mod:`streamcoll.callbacks`), which runs the
-        future's callbacks: they may issue collectives and wait on them."""
+        future's callbacks: they may issue collectives and wait on them.
+
+        A collective that completed already: its future is set here, on the
+        caller's thread, only while the callback thread is caught up (every
+        earlier completion handed out, :meth:`CallbackThread.caught_up`; no
+        callback is attached yet, so nothing runs but the result, and the
+        future is returned completed). Otherwise its completion goes to the
+        callback thread behind them: set here, a ``then()`` would run at
+        once on the caller's thread, ahead of (or beside) earlier
+        completions' callbacks, against the completion-order rule."""
         rt = self._rt
         if rt.query(work._event):
-            work._set_future()  # done already: no callback attached yet, nothing runs but the result
+            cb = _callbacks.CALLBACKS  # CallbackThread.caught_up, inline (the method call is half its cost)
+            if not cb._queue and (cb._owner is None or cb._owner == _get_ident()):  # queue first: see there
+                work._set_future()
+            else:
+                _callbacks.complete(functools.partial(_complete_on_device, self._dev_index
+                                                      if self._dev_type == "cuda" else None, work))
         elif hasattr(rt, "on_complete"):
             rt.on_complete(work._event, lambda w=work: _callbacks.complete(w._set_future))
         else:

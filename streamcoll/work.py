@@ -296,15 +296,23 @@ class Work:
         has completed (set with the exception if it failed). It completes, and
         its callbacks run, on streamcoll's callback thread
         (:mod:`streamcoll.callbacks`), never on the thread that runs
-        collectives, so a callback may issue a collective and wait on it."""
+        collectives, so a callback may issue a collective and wait on it.
+        Its completion is registered before a small call queued quietly is
+        started: started first, the call could complete in between, and the
+        future would be set here, on the caller's thread, ahead of earlier
+        completions still waiting on the callback thread. The future of a
+        call that completed already is returned completed while the callback
+        thread has caught up with earlier completions; otherwise it
+        completes behind them, a moment later (``wait()`` on it, not
+        ``value()``)."""
         fut = self._future
         if fut is None:
             if POSTING:
                 launch_posted(self._comm)  # its waiter will block: as wait()
             fut = self._future = Future()
+            self._comm._complete_future_when_done(self)
             if self._here:
                 self._rt.nudge()
-            self._comm._complete_future_when_done(self)
         return fut
 
     def _set_future(self) -> None:
