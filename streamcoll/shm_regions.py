@@ -18,10 +18,12 @@ that name (``smr_map_to_region``: ``shm_open(name, O_RDWR)``, ``mmap``,
 ``close``). ``smr_free`` at endpoint close (``onecclCommDestroy``) unlinks it;
 nothing else does, except libfabric's own SIGINT/SIGTERM/SIGSEGV/SIGBUS
 handler (``smr_signal.h``), which streamcoll replaces for SIGINT and SIGTERM
-by Python's (:mod:`streamcoll.signals`). So a rank that is SIGKILLed,
-SIGTERMed, ended by the watchdog (``os._exit``) or whose exit skips the
-native teardown (a stuck call) leaves its region; and a later process that
-gets the same pid fails ``fi_enable`` with ``-EBUSY`` ("failed to initialize
+by Python's (:mod:`streamcoll.signals`; SIGHUP's default kill gets the same
+stand-in as SIGTERM's). So a rank that is SIGKILLed, SIGTERMed where
+SIGTERM keeps the kernel's default (no signal watcher: see that module),
+ended by the watchdog (``os._exit``) or whose exit skips the native
+teardown (a stuck call) leaves its region; and a later process that gets
+the same pid fails ``fi_enable`` with ``-EBUSY`` ("failed to initialize
 ATL"): ``smr_retry_map`` finds the old region, reads its ``pid``, sees that
 pid alive (itself) and refuses.
 
@@ -39,10 +41,12 @@ Two jobs here:
   still the ones the path names), are unlinked on every way out: at
   interpreter exit (``atexit``, registered before the first init: a live
   communicator, an exception after init, a normal exit whose native teardown
-  is skipped), in the handler that SIGTERM (or a SIGINT whose disposition
-  was the default) gets instead of the default (:func:`disposition`, from
-  :mod:`streamcoll.signals`), before the signal watcher's and the watchdog's
-  ``os._exit``. A normal ``destroy()`` leaves nothing to remove.
+  is skipped), in the handler that SIGTERM and SIGHUP (or a SIGINT whose
+  disposition was the default) get instead of the default
+  (:func:`disposition`, from :mod:`streamcoll.signals`), before the signal
+  watcher ends the process by a signal whose handler could not run (the main
+  thread in a native call), and before the watchdog's ``os._exit``. A
+  normal ``destroy()`` leaves nothing to remove.
 - :func:`sweep`, before oneCCL's first init in a process
   (:func:`before_first_init`): a region is removed when it is this user's, a
   plain file named like a region in the ``/dev/shm`` this process sees, and
@@ -96,7 +100,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 __all__ = ["SHM_DIR", "Region", "region_pid", "sweep", "remove_own", "own_regions", "dead_peer_regions",
-           "before_first_init", "disposition"]
+           "before_first_init", "disposition", "stands_for_default", "ending"]
 
 log = logging.getLogger("streamcoll.shm")
 
@@ -393,11 +397,15 @@ def before_first_init() -> None:
 
 
 # ----------------------------------------------------------------- signals
+_ENDING: List[Tuple[int, int]] = []   # (pid, signal) of each stand-in started
+
+
 def disposition(signum: int, handler: Any) -> Any:
     """The handler :mod:`streamcoll.signals` puts back for SIGINT/SIGTERM
-    after a native init: the program's own, except the default, which kills
-    without any cleanup; it becomes :func:`_end_by_signal` (the same end,
-    after removing this process's regions)."""
+    after a native init (and gives a default SIGHUP): the program's own,
+    except the default, which kills without any cleanup; it becomes
+    :func:`_end_by_signal` (the same end, after removing this process's
+    regions)."""
     return _end_by_signal if handler is signal.SIG_DFL else handler
 
 
@@ -408,9 +416,16 @@ def stands_for_default(handler: Any) -> bool:
     return handler is _end_by_signal
 
 
+def ending(signum: int) -> bool:
+    """Whether the stand-in for ``signum`` has started in this process (the
+    signal watcher then leaves the end to it)."""
+    return (os.getpid(), signum) in _ENDING
+
+
 def _end_by_signal(signum: int, frame: Any) -> None:
     """Remove this process's regions, then die of ``signum`` under its
     default disposition (the exit status stays ``-signum``)."""
+    _ENDING.append((os.getpid(), signum))
     remove_own(f"on {signal.Signals(signum).name}")
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)

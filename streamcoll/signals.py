@@ -1,4 +1,6 @@
-"""Ctrl-C and SIGTERM after ``init()``: Python's handling, not oneCCL's.
+"""Ctrl-C, SIGTERM and SIGHUP after ``init()``: Python's handling, not
+oneCCL's, and a terminating signal ends the process wherever the main thread
+stands.
 
 Measured (oneCCL 2022.2, CPU): the first ``onecclGetUniqueId`` or
 ``onecclCommInitRank`` of a process installs native handlers for SIGINT,
@@ -11,62 +13,96 @@ and a native backtrace, which is worth keeping for a crash inside the
 library.
 
 So :func:`native_entry` (around those calls) puts back, after the call, the
-handlers Python had for SIGINT and SIGTERM before it (the default: Ctrl-C
-raises ``KeyboardInterrupt``, SIGTERM kills with status -15), keeps oneCCL's
-handlers for the fatal signals, and re-enables :mod:`faulthandler` if the
-program had it on (it chains to the previous handler, so a crash prints the
-Python stacks, then oneCCL's backtrace). Only the main thread can install
-Python signal handlers; from another thread they stay oneCCL's (logged).
+handlers Python had for SIGINT and SIGTERM before it (Ctrl-C raises
+``KeyboardInterrupt``; a default SIGTERM becomes
+:func:`streamcoll.shm_regions.disposition`'s stand-in, which removes this
+process's ``/dev/shm`` regions, then dies of the signal), gives a default
+SIGHUP the same stand-in (oneCCL leaves SIGHUP alone, but its default kill
+would leave the regions behind just the same: a closed terminal or ssh
+session, a launcher that hangs up), keeps oneCCL's handlers for the fatal
+signals, and re-enables :mod:`faulthandler` if the program had it on (it
+chains to the previous handler, so a crash prints the Python stacks, then
+oneCCL's backtrace). Only the main thread can install Python signal
+handlers; from another thread they stay oneCCL's (logged).
 
-A Ctrl-C that lands while the main thread is inside a synchronous native
-call is only a flag to Python: its handler runs when the call returns, and a
-call stuck on a dead or absent peer never does (oneCCL has no abort). The
-interrupt watcher (:func:`watch_interrupts`) sees each signal through
+A Python-level handler, the stand-in included, runs only when the main
+thread is back in the interpreter. A main thread inside a native call that
+retries on EINTR (a gloo barrier, a TCPStore wait or connect, a oneCCL
+collective on a dead peer) would hold the process alive until the call
+returns: gloo's own timeout is 30 min, and launchers (torchrun's agent,
+SLURM, Kubernetes) send SIGTERM and expect the process to end. Without
+streamcoll the kernel would have ended it at once. So the interrupt watcher
+(:func:`watch_interrupts`, a thread) sees each signal through
 :func:`signal.set_wakeup_fd` (Python's C handler writes the signal number
-there; no cost on the call path). What it does depends on whose handler the
-signal has:
+there; no cost on the call path) and acts by whose handler the signal has:
 
-- **the user's** (any handler the program installed, for SIGINT or
-  SIGTERM: a checkpoint-on-preemption handler under SLURM or Kubernetes):
-  nothing but a warning that the handler runs when the call returns. The
-  call may be a healthy collective waiting for a slower peer; a call stuck
-  for good ends by the watchdog at the communicator's timeout.
-- **nobody's** (SIGINT with Python's default, which raises
-  ``KeyboardInterrupt`` and so would end the process anyway, or SIGTERM with
-  its default action, which after a native init is
-  :func:`streamcoll.shm_regions.disposition`'s stand-in: it removes this
-  process's ``/dev/shm`` regions, then dies of the signal): when the main
-  thread stands in streamcoll code, the watcher gives the call
-  :data:`INTERRUPT_GRACE_S` to return (then Python raises
-  ``KeyboardInterrupt`` as usual); if the main thread has not moved by then,
-  or a second such signal arrives first, it logs what the main thread is
-  stuck in and ends the process with ``os._exit(128 + signum)`` (130 for
-  Ctrl-C, 143 for SIGTERM), without teardown, which would crash under the
+- **the program's** (any handler it installed for SIGINT, SIGTERM or
+  SIGHUP: a checkpoint-on-preemption handler under SLURM or Kubernetes):
+  nothing, as before; when the main thread is inside streamcoll's call, a
+  warning that the handler runs when the call returns (a call stuck for
+  good ends by the watchdog at the communicator's timeout).
+- **nobody's** (SIGINT with Python's ``default_int_handler``; SIGTERM or
+  SIGHUP with the stand-in): the watcher asks whether the main thread gets
+  back to the interpreter within a grace (:data:`TERMINATE_GRACE_S` for
+  SIGTERM and SIGHUP, whose default dies anyway, so waiting only spares the
+  message; :data:`INTERRUPT_GRACE_S` for SIGINT, time for a call about to
+  return, after which Python raises ``KeyboardInterrupt`` with its
+  ``finally`` and ``atexit``). Back means: the stand-in started, the main
+  thread's frame moved, or a probe queued with ``Py_AddPendingCall`` ran
+  (CPython runs pending calls in the main thread at the same eval-breaker
+  check as signal handlers, after them). If not, or if a second terminating
+  signal arrives first, it logs where the main thread stands (inside
+  streamcoll's call: the call, and the peers as the likely cause; anywhere
+  else: the file, line and function, blaming nobody), removes this
+  process's regions and ends the process **by the signal itself**: the C
+  disposition is reset to the default through ``signal()`` (the C call,
+  reached with cffi's ABI mode: Python's ``signal.signal`` works only in
+  the main thread), then the signal is sent to the watcher's own thread.
+  A parent sees what it would without streamcoll: killed by SIGTERM (-15
+  in :mod:`subprocess`, 143 in a shell), by SIGINT (Python's own exit on an
+  uncaught ``KeyboardInterrupt``), by SIGHUP, wherever the main thread was.
+  No ``finally`` or ``atexit`` runs: the teardown would crash under the
   stuck call.
 
-A program that owns the wakeup fd itself (asyncio's loop) keeps it, and
-this watcher stays off.
+Where the watcher cannot run, the stand-ins are not installed: a default
+SIGTERM or SIGHUP stays the kernel's, which ends the process at once
+wherever the main thread stands (the regions are left for the next init's
+sweep, :func:`streamcoll.shm_regions.sweep`). That is the case of a program
+whose event loop owns the wakeup fd at init (asyncio's
+``add_signal_handler``; :func:`asyncio.run` alone does not take it): the
+loop keeps it and the watcher stays off. A loop that takes the fd after
+init takes it from the watcher, which then sees no signal: SIGTERM's
+stand-in runs when the main thread returns to the interpreter (such a
+program handles its signals through the loop anyway). A forked child (a
+DataLoader worker) has no watcher thread: it gets the plain defaults back
+(:func:`_after_fork_in_child`).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import faulthandler
 import logging
 import os
 import signal
 import sys
+import sysconfig
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 from . import shm_regions
 
-__all__ = ["native_entry", "watch_interrupts", "INTERRUPT_GRACE_S"]
+__all__ = ["native_entry", "watch_interrupts", "INTERRUPT_GRACE_S", "TERMINATE_GRACE_S"]
 
 log = logging.getLogger("streamcoll.signals")
 
 INTERRUPT_GRACE_S = 1.0
-_KEPT = (signal.SIGINT, signal.SIGTERM)
+TERMINATE_GRACE_S = 0.25
+_KEPT = (signal.SIGINT, signal.SIGTERM)          # oneCCL replaces these: put Python's back
+_STAND_IN_TOO = (signal.SIGHUP,)                 # nobody replaces it; its default gets the stand-in
+_TERMINATING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_POLL_S = 0.01
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _WATCH_LOCK = threading.Lock()
 _WATCH: Dict[str, Any] = {}
@@ -79,8 +115,9 @@ def _in_main_thread() -> bool:
 @contextlib.contextmanager
 def native_entry() -> Iterator[None]:
     """Around a native call that may install the library's signal handlers:
-    afterwards SIGINT and SIGTERM are handled as before it, and faulthandler
-    is on again if it was."""
+    afterwards SIGINT and SIGTERM are handled as before it (a default SIGTERM
+    and SIGHUP by the stand-in, where the watcher runs), and faulthandler is
+    on again if it was."""
     main = _in_main_thread()
     saved = {s: signal.getsignal(s) for s in _KEPT} if main else {}
     fh = faulthandler.is_enabled()
@@ -88,21 +125,38 @@ def native_entry() -> Iterator[None]:
         yield
     finally:
         if main:
+            watched = watch_interrupts()  # first: without the watcher, no stand-in
             for s, h in saved.items():
                 if h is not None:  # None: installed outside Python; not ours to redo
-                    try:
-                        signal.signal(s, shm_regions.disposition(s, h))  # SIG_DFL: removes /dev/shm regions first
-                    except (OSError, ValueError) as e:
-                        log.debug("could not restore the handler of %s: %s", s.name, e)
+                    _set(s, _disposition(s, h, watched))
+            for s in _STAND_IN_TOO:
+                h = signal.getsignal(s)
+                if h is signal.SIG_DFL or shm_regions.stands_for_default(h):
+                    _set(s, _disposition(s, h, watched))
             if fh:
                 try:
                     faulthandler.enable(all_threads=True)
                 except Exception as e:  # sys.stderr without a file descriptor
                     log.debug("could not re-enable faulthandler: %s", e)
-            watch_interrupts()
         else:
             log.debug("communicator created outside the main thread: SIGINT/SIGTERM keep the native "
                       "library's handlers (only the main thread can install Python's)")
+
+
+def _disposition(signum: int, handler: Any, watched: bool) -> Any:
+    """The handler to put back: the stand-in for a default only where the
+    watcher runs (a stand-in nobody watches waits for the main thread, where
+    the kernel's default ends the process at once)."""
+    if watched:
+        return shm_regions.disposition(signum, handler)
+    return signal.SIG_DFL if shm_regions.stands_for_default(handler) else handler
+
+
+def _set(signum: int, handler: Any) -> None:
+    try:
+        signal.signal(signum, handler)
+    except (OSError, ValueError) as e:
+        log.debug("could not set the handler of %s: %s", signal.Signals(signum).name, e)
 
 
 def watch_interrupts() -> bool:
@@ -126,19 +180,80 @@ def watch_interrupts() -> bool:
             signal.set_wakeup_fd(old)
             os.close(rfd)
             os.close(wfd)
-            log.debug("interrupt watcher off: the wakeup fd is in use (fd %d)", old)
+            log.debug("interrupt watcher off: the wakeup fd is in use (fd %d); a default SIGTERM/SIGHUP keeps "
+                      "the kernel's action", old)
             return False
+        native = _Native.load()
         main = threading.main_thread()
         t = threading.Thread(target=_watch, args=(rfd, main.ident), name="streamcoll-signals", daemon=True)
-        _WATCH.update(pid=os.getpid(), rfd=rfd, wfd=wfd, thread=t)
+        _WATCH.update(pid=os.getpid(), rfd=rfd, wfd=wfd, thread=t, native=native)
         t.start()
         return True
 
 
+class _Native:
+    """The two C entry points the watcher needs, through cffi's ABI mode on
+    the process's own symbols: ``Py_AddPendingCall`` (a probe that runs when
+    the main thread is back in the interpreter) and libc's ``signal()`` (the
+    default disposition back from any thread, so the process can die of the
+    signal). Either may be missing (a build without the symbols, a system
+    refusing cffi's callbacks): the watcher then judges by the frame alone,
+    and exits with 128 + the signal number."""
+
+    def __init__(self) -> None:
+        import cffi
+        self.ffi = cffi.FFI()
+        self.ffi.cdef("typedef void (*sighandler_t)(int);"
+                      "sighandler_t signal(int signum, sighandler_t handler);"
+                      "int Py_AddPendingCall(int (*func)(void *), void *arg);")
+        self.lib = self.ffi.dlopen(None)
+        self.ran = 0.0          # monotonic time the probe last ran (main thread)
+        self.queued = False
+        self.callback: Any = None
+        try:
+            self.lib.Py_AddPendingCall  # resolve now, not at the signal
+            self.callback = self.ffi.callback("int(void *)", self._probe)
+        except Exception as e:
+            log.debug("no pending-call probe (%s): the watcher judges by the main thread's frame", e)
+
+    @classmethod
+    def load(cls) -> "Optional[_Native]":
+        try:
+            return cls()
+        except Exception as e:
+            log.debug("no native helpers for the signal watcher: %s", e)
+            return None
+
+    def _probe(self, _arg: Any) -> int:
+        self.ran = time.monotonic()
+        self.queued = False
+        return 0
+
+    def ask(self) -> None:
+        """Queue the probe (one at a time: one still queued answers as well)."""
+        if self.callback is None or self.queued:
+            return
+        self.queued = True  # before the call: the probe may run (and clear it) before the call returns
+        if self.lib.Py_AddPendingCall(self.callback, self.ffi.NULL) != 0:  # CPython's queue is full
+            self.queued = False
+
+    def default(self, signum: int) -> bool:
+        """The default disposition back for ``signum`` (C ``signal()``)."""
+        return self.lib.signal(signum, self.ffi.cast("sighandler_t", 0)) != self.ffi.cast("sighandler_t", -1)
+
+
 def _after_fork_in_child() -> None:
-    """A forked child (a DataLoader worker) has no watcher thread, and its
-    signals must not reach the parent's through the shared pipe: Python's
-    handler would write them there."""
+    """A forked child (a DataLoader worker) has no watcher thread, so a
+    stand-in there would wait for its main thread: the plain defaults come
+    back (the regions are the parent's). And its signals must not reach the
+    parent's watcher through the shared pipe, where Python's handler would
+    write them."""
+    for s in _TERMINATING:
+        try:
+            if shm_regions.stands_for_default(signal.getsignal(s)):
+                signal.signal(s, signal.SIG_DFL)
+        except (ValueError, OSError):  # not the child's main thread
+            pass
     if _WATCH.get("pid") is None:
         return
     try:
@@ -184,20 +299,27 @@ def _in_streamcoll(frame: Any) -> bool:
 
 
 def _watch(rfd: int, main_ident: Optional[int]) -> None:
+    backlog: Deque[int] = collections.deque()
     while True:
+        if not backlog:
+            try:
+                data = os.read(rfd, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            backlog.extend(data)
+        signum = backlog.popleft()
+        if signum not in _TERMINATING:
+            continue
         try:
-            data = os.read(rfd, 64)
-        except OSError:
-            return
-        if not data:
-            return
-        for signum in data:
-            if signum in (signal.SIGINT, signal.SIGTERM):
-                whose = _handler_of(signum)
-                if whose == "user":
-                    _deferred(signum, main_ident)
-                elif whose == "default":
-                    _on_signal(rfd, signum, main_ident)
+            whose = _handler_of(signum)
+            if whose == "user":
+                _deferred(signum, main_ident)
+            elif whose == "default":
+                _on_signal(rfd, signum, main_ident, backlog)
+        except Exception as e:  # the watcher outlives any one signal
+            log.debug("signal watcher: %s", e)
 
 
 def _deferred(signum: int, main_ident: Optional[int]) -> None:
@@ -213,30 +335,46 @@ def _deferred(signum: int, main_ident: Optional[int]) -> None:
                 "timeout)", signal.Signals(signum).name, what)
 
 
-def _on_signal(rfd: int, signum: int, main_ident: Optional[int]) -> None:
+def _on_signal(rfd: int, signum: int, main_ident: Optional[int], backlog: Deque[int]) -> None:
+    """A signal with nobody's handler: wait a grace for the main thread to
+    run Python's handler; if it does not, end the process by the signal."""
     frame = _main_frame(main_ident)
-    if not _in_streamcoll(frame):
-        return  # Python code or someone else's C call: Python's handler does its job
-    where = (frame, frame.f_lasti)
-    deadline = time.monotonic() + INTERRUPT_GRACE_S
+    where = (frame, frame.f_lasti if frame is not None else -1)
+    seen = time.monotonic()
+    native = _WATCH.get("native")
+    if native is not None:
+        try:
+            native.ask()
+        except Exception as e:
+            log.debug("pending-call probe failed: %s", e)
+    grace = INTERRUPT_GRACE_S if signum == signal.SIGINT else TERMINATE_GRACE_S
+    deadline = seen + grace
+    then: Optional[int] = None
     os.set_blocking(rfd, False)
     try:
-        second = False
-        while time.monotonic() < deadline:
+        while True:
+            if shm_regions.ending(signum):
+                return  # the stand-in runs in the main thread: it ends the process itself
             f = _main_frame(main_ident)
-            if f is not where[0] or f.f_lasti != where[1]:
-                return  # the call returned: Python raises KeyboardInterrupt (or runs the handler)
+            if f is not where[0] or (f is not None and f.f_lasti != where[1]):
+                return  # the main thread moved: Python ran the handler (KeyboardInterrupt, or the stand-in)
+            if native is not None and native.ran > seen:
+                return  # back in the interpreter, the handler ran first
             try:
                 more = os.read(rfd, 64)
             except BlockingIOError:
                 more = b""
-            if any(s == signum for s in more):
-                second = True
+            for s in more:
+                if then is None and s in _TERMINATING and _handler_of(s) == "default":
+                    then = s
+                else:
+                    backlog.append(s)
+            if then is not None or time.monotonic() >= deadline:
                 break
-            time.sleep(0.02)
+            time.sleep(_POLL_S)
     finally:
         os.set_blocking(rfd, True)
-    _end(signum, frame, second)
+    _end(signum, frame, grace, then)
 
 
 def _stuck_calls() -> List[str]:
@@ -248,22 +386,84 @@ def _stuck_calls() -> List[str]:
         return []
 
 
-def _end(signum: int, frame: Any, second: bool) -> None:
+_LIBRARY_DIRS: Tuple[str, ...] = tuple(
+    os.path.join(os.path.abspath(p), "") for k, p in sysconfig.get_paths().items()
+    if k in ("stdlib", "platstdlib", "purelib", "platlib") and p)
+
+
+def _at(frame: Any) -> str:
+    return f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})"
+
+
+def _where(frame: Any) -> str:
+    """Where the main thread stands, for the message: its innermost frame
+    (the caller of the native call) and the program's nearest frame, outside
+    the standard library and installed packages."""
+    if frame is None:
+        return "no Python frame (interpreter start-up or shutdown)"
+    text = _at(frame)
+    f = frame
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_LIBRARY_DIRS):
+        f = f.f_back
+    if f is not None and f is not frame:
+        text += f", called from {_at(f)}"
+    return text
+
+
+def _end(signum: int, frame: Any, grace: float, then: Optional[int]) -> None:
+    """Say where the main thread stands, remove the regions, die of ``signum``
+    (whatever the message does)."""
     name = signal.Signals(signum).name
-    calls = _stuck_calls()
-    what = "; ".join(calls) if calls else f"{frame.f_code.co_name} ({frame.f_code.co_filename})"
-    code = 128 + signum
-    how = "a second time" if second else f"and the call did not return within {INTERRUPT_GRACE_S:g} s"
-    log.error(
-        "streamcoll: %s received %s while the main thread is inside a native call that cannot be "
-        "interrupted: %s. Likely cause: another rank died, hung or is not calling this collective. "
-        "No handler of yours is installed for %s, so its default would end the process: ending it now with "
-        "exit code %d (no finally/atexit: the native call still runs; a handler you install runs instead "
-        "when the call returns).", name, how, what, name, code)
+    try:
+        _tell(signum, name, frame, grace, then)
+    except Exception:
+        pass
     shm_regions.remove_own(f"on {name}")
     for s in (sys.stdout, sys.stderr):
         try:
             s.flush()
         except Exception:
             pass
-    os._exit(code)
+    _die_of(signum)
+
+
+def _tell(signum: int, name: str, frame: Any, grace: float, then: Optional[int]) -> None:
+    how = ("a second time" if then == signum else f"then {signal.Signals(then).name}" if then is not None
+           else f"and the call did not return within {grace:g} s")
+    if _in_streamcoll(frame):
+        calls = _stuck_calls()
+        what = "; ".join(calls) if calls else _where(frame)
+        log.error(
+            "streamcoll: %s received %s while the main thread is inside a native call that cannot be "
+            "interrupted: %s. Likely cause: another rank died, hung or is not calling this collective. "
+            "No handler of yours is installed for %s, so its default would end the process: ending it now, "
+            "by %s (no finally/atexit: the native call still runs; a handler you install runs instead "
+            "when the call returns).", name, how, what, name, name)
+    else:
+        late = ("Python raises KeyboardInterrupt only when the call returns" if signum == signal.SIGINT
+                else "its default ends the process, but streamcoll's stand-in for it runs only when the call "
+                     "returns")
+        when = (f"that did not return within {grace:g} s" if then is None
+                else f"(a second {name} came before it returned)" if then == signum
+                else f"({signal.Signals(then).name} came too before it returned)")
+        log.error(
+            "streamcoll: %s received while the main thread is inside a native call %s: %s. No handler of yours "
+            "is installed for %s; %s: ending the process now, by %s, after removing its /dev/shm regions "
+            "(no finally/atexit; a handler you install runs instead when the call returns).",
+            name, when, _where(frame), name, late, name)
+
+
+def _die_of(signum: int) -> None:
+    """End the process as ``signum``'s default does (killed by it): its C
+    disposition back to the default, then sent to this thread with the
+    signal unblocked here. Never returns; ``os._exit(128 + signum)`` if that
+    could not be done."""
+    native = _WATCH.get("native")
+    try:
+        if native is not None and native.default(signum):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+            signal.pthread_kill(threading.get_ident(), signum)
+            time.sleep(1.0)  # the default action ends the process before this returns
+    except Exception as e:
+        log.debug("could not end the process by %s: %s", signal.Signals(signum).name, e)
+    os._exit(128 + signum)
