@@ -200,7 +200,7 @@ def new_communicator(
     if store is None:
         store = _get_store(rank, world_size, t)
 
-    made: Dict[str, Dict[str, str]] = {}
+    made: Dict[str, Dict[str, str]] = {}  # "settings": the native calls' environment; "own": env.OWN's values
 
     def prepare(topo: topology.Topology, cname: str) -> Dict[str, str]:
         """Before this rank's first library call: what cannot work fails here
@@ -218,6 +218,7 @@ def new_communicator(
         conflicts = topo.agreed.conflicts_for(b.name)
         if conflicts:  # computed from every rank's facts: every rank raises, before the native init
             raise CommunicatorError(f"init of communicator {cname!r}: {_conflict_text(conflicts)}")
+        made["own"] = env.check_own(topo.agreed.own)  # one value on every rank: a malformed one raises on all
         settings = _settings(b.name, topo)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -256,7 +257,7 @@ def new_communicator(
                 handle = b.init_rank(world_size, bytes(uid), rank, what=what)  # named while it waits its turn
     pstore.set(f"ready/{rank}", "1")
     comm = adopt(b, handle, lambda: Communicator(b, device, handle, rank, world_size, t, record_stream, pstore,
-                                                 name=cname))  # freed if its construction raises (issue 33)
+                                                 name=cname, own=made["own"]))  # freed if it raises (issue 33)
     comm.topology = topo
     if nonblocking:
         watchdog.make_nonblocking(comm)
@@ -325,11 +326,14 @@ def _clash_text(topo: "topology.Topology") -> str:
 
 
 def _conflict_text(conflicts: List[str]) -> str:
+    native = any(not t.startswith(tuple(env.OWN)) for t in conflicts)
     return ("settings that must be equal on every rank differ: " + " | ".join(conflicts) + ". Ranks that "
-            "run different ones exchange mismatched messages (wrong results or a hang). Set each on every rank "
-            "alike, or on none (streamcoll then chooses one value for all); a value in effect since a process's "
-            "first oneCCL init stays for that process (oneCCL reads its variables once): make that "
-            "process's first communicator agree, or start it afresh")
+            "run different ones exchange mismatched messages, or wait for checks their peers never make "
+            "(wrong results or a hang). Set each on every rank alike, or on none (streamcoll then chooses one "
+            "value for all)" + ("; a value in effect since a process's first oneCCL init stays for that "
+                                "process (oneCCL reads its variables once): make that process's first "
+                                "communicator agree, or start it afresh" if native else ""))
+
 
 
 def _settings(backend: str, topo: "topology.Topology") -> Dict[str, str]:
