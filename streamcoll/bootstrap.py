@@ -219,6 +219,8 @@ def new_communicator(
         if conflicts:  # computed from every rank's facts: every rank raises, before the native init
             raise CommunicatorError(f"init of communicator {cname!r}: {_conflict_text(conflicts)}")
         made["own"] = env.check_own(topo.agreed.own)  # one value on every rank: a malformed one raises on all
+        if b.name == "oneccl":
+            _warn_imposed(topo, cname)
         settings = _settings(b.name, topo)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -334,6 +336,35 @@ def _conflict_text(conflicts: List[str]) -> str:
                                 "process (oneCCL reads its variables once): make that process's first "
                                 "communicator agree, or start it afresh" if native else ""))
 
+
+_IMPOSED_SAID: List[str] = []
+
+
+def _warn_imposed(topo: "topology.Topology", cname: str) -> None:
+    """A communicator over the launcher's whole world made after another
+    was this process's first oneCCL communicator (``STREAMCOLL_EAGER_INIT=0``,
+    ``auto`` on a CUDA host, ``new_communicator`` over a subset first):
+    oneCCL read its variables once, at that first init, so this one runs
+    with that communicator's choices, not with its own layout's: TCP, and
+    also its spin and algorithm (a one-rank group never shares a core, so
+    an oversubscribed world spins where it would yield). Said once per
+    process, on every rank (each computes the same); values the user set
+    are the user's choice and not named."""
+    running = env.in_effect()
+    if not running or not topo.spans_job or _IMPOSED_SAID:
+        return
+    user = env._user_env()
+    wanted = env.agreed_defaults(topo)
+    differ = [f"{k}={repr(v) if v is not None else 'unset'} (this communicator's layout: "
+              f"{repr(wanted.get(k)) if wanted.get(k) is not None else 'unset'})"
+              for k, v in running.items() if k not in user and v != wanted.get(k)]
+    if not differ or not env.enabled(user):
+        return
+    _IMPOSED_SAID.append(cname)
+    log.warning("communicator %r (the launcher's whole world) runs with settings in effect since this process's "
+                "first oneCCL communicator (oneCCL reads its variables once), not those its own layout calls for: "
+                "%s. Make the world's communicator first (STREAMCOLL_EAGER_INIT=1, or a world collective before "
+                "any sub-group's) to run with its own", cname, ", ".join(differ))
 
 
 def _settings(backend: str, topo: "topology.Topology") -> Dict[str, str]:

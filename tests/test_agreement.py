@@ -145,8 +145,31 @@ def _settings() -> None:
     streamcoll.destroy()
 
 
+def _sub_first() -> None:
+    """``init_process_group("streamcoll")`` with the world made lazily
+    (AGREE_EAGER), this rank's own one-rank group used first (AGREE_SUB_FIRST),
+    then a world all_reduce: what oneCCL runs the world with, and what the
+    world's own layout would have chosen."""
+    import torch
+    import torch.distributed as dist
+    from streamcoll import env
+    rank = int(os.environ["RANK"])
+    pins = dict(p.split(":") for p in os.environ.get("AGREE_PIN", "").split(";") if p)
+    if str(rank) in pins:
+        os.sched_setaffinity(0, {int(c) for c in pins[str(rank)].split(",")})
+    dist.init_process_group("streamcoll")
+    own = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    if os.environ.get("AGREE_SUB_FIRST") == "1":
+        dist.all_reduce(torch.ones(2), group=own[rank])
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    comm = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))._comms["cpu"]
+    _out({"sum": t.tolist(), "in_effect": env.in_effect(), "world": env.agreed_defaults(comm.topology)})
+    dist.destroy_process_group()
+
+
 SCENARIOS = {"sums": _sums, "refused": _refused, "nested_parent": _nested_parent, "nested_child": _nested_child,
-             "settings": _settings}
+             "settings": _settings, "sub_first": _sub_first}
 
 
 # ==================================================================== tests
@@ -362,6 +385,53 @@ if __name__ != "__main__":
                 fresh.destroy()
         finally:
             c.destroy()
+
+    def test_a_one_rank_group_first_imposes_its_settings_on_the_world(tmp_path):
+        """Issue 42, finding 10 (confirmed): with the world made lazily
+        (STREAMCOLL_EAGER_INIT=0, or auto on a CUDA host), a one-rank group
+        used first is each process's first oneCCL communicator, and oneCCL
+        reads its variables once: the world then runs with that group's
+        choices, TCP and also its spin and algorithm (two ranks on one core:
+        no worker offload, no yield, recursive doubling, where the world's
+        own layout calls for offload, sched_yield and nreduce). The sums are
+        right; every rank says so in a warning naming each variable, the
+        value in effect and the world's (before: nothing said it), and the
+        docs name them all (before: TCP only). The world made first keeps
+        its own choices (the second run)."""
+        lazy = {"STREAMCOLL_EAGER_INIT": "0", "AGREE_PIN": "0:0;1:0"}
+        os.makedirs(tmp_path / "sub")
+        ranks = Ranks("sub_first", 2, tmp_path / "sub", env=dict(lazy, AGREE_SUB_FIRST="1"))
+        ranks.finish(120)
+        info = ranks.describe()
+        for r in range(2):
+            res = ranks.result(r)
+            assert res and res["sum"] == [2.0, 2.0], info
+            world, running = res["world"], res["in_effect"]
+            assert (world["CCL_WORKER_OFFLOAD"], world["CCL_YIELD"], world["CCL_ALLREDUCE"],
+                    world["FI_PROVIDER"]) == ("1", "sched_yield", "nreduce", "shm"), res
+            assert (running["CCL_WORKER_OFFLOAD"], running["CCL_YIELD"], running["CCL_ATL_SHM"],
+                    running["FI_PROVIDER"]) == ("0", None, "0", "tcp"), res
+            assert running["CCL_ALLREDUCE"].startswith("recursive_doubling"), res
+            log = ranks.text(f"log{r}")
+            assert "runs with settings in effect since this process's first oneCCL communicator" in log, info
+            for text in ("CCL_WORKER_OFFLOAD='0' (this communicator's layout: '1')",
+                         "CCL_YIELD=unset (this communicator's layout: 'sched_yield')",
+                         "CCL_ALLREDUCE='recursive_doubling:0-16384;nreduce:16385-max' (this communicator's "
+                         "layout: 'nreduce')", "FI_PROVIDER='tcp' (this communicator's layout: 'shm')",
+                         "STREAMCOLL_EAGER_INIT=1"):
+                assert text in log, (text, log)
+        os.makedirs(tmp_path / "world")
+        ranks = Ranks("sub_first", 2, tmp_path / "world", env=dict(lazy, AGREE_SUB_FIRST="0"))
+        ranks.finish(120)
+        info = ranks.describe()
+        for r in range(2):
+            res = ranks.result(r)
+            assert res and res["sum"] == [2.0, 2.0], info
+            assert {k: res["in_effect"].get(k) for k in res["world"]} == res["world"], res
+            assert "first oneCCL communicator" not in ranks.text(f"log{r}"), info
+        with open(os.path.join(HERE, "..", "docs", "design.md")) as f:
+            design = f.read()
+        assert "its spin and algorithm settings" in design
 
 else:
     SCENARIOS[sys.argv[1]]()
