@@ -170,10 +170,14 @@ class Backend:
     def func(self, collective: str) -> Optional[str]:
         return self.funcs.get(collective)
 
-    def widened(self, device_type: str) -> Dict[torch.dtype, torch.dtype]:
+    def widened(self, device_type: str, on: Optional[bool] = None) -> Dict[torch.dtype, torch.dtype]:
         """dtype -> the dtype its reductions are computed in on ``device_type``
-        (see ``_WIDENED``); empty with ``STREAMCOLL_WIDEN_BF16=0``."""
-        if os.environ.get("STREAMCOLL_WIDEN_BF16", "1").strip().lower() in ("0", "false", "no", "off"):
+        (see ``_WIDENED``); empty where ``on`` is False (a communicator
+        passes the value agreed by every rank, :data:`streamcoll.env.OWN`;
+        None: this process's ``STREAMCOLL_WIDEN_BF16``, ``0`` for off)."""
+        if on is None:
+            on = os.environ.get("STREAMCOLL_WIDEN_BF16", "1").strip().lower() not in ("0", "false", "no", "off")
+        if not on:
             return {}
         return dict(_WIDENED.get((self.name, device_type), {}))
 

@@ -200,7 +200,7 @@ def new_communicator(
     if store is None:
         store = _get_store(rank, world_size, t)
 
-    made: Dict[str, Dict[str, str]] = {}
+    made: Dict[str, Dict[str, str]] = {}  # "settings": the native calls' environment; "own": env.OWN's values
 
     def prepare(topo: topology.Topology, cname: str) -> Dict[str, str]:
         """Before this rank's first library call: what cannot work fails here
@@ -218,6 +218,9 @@ def new_communicator(
         conflicts = topo.agreed.conflicts_for(b.name)
         if conflicts:  # computed from every rank's facts: every rank raises, before the native init
             raise CommunicatorError(f"init of communicator {cname!r}: {_conflict_text(conflicts)}")
+        made["own"] = env.check_own(topo.agreed.own)  # one value on every rank: a malformed one raises on all
+        if b.name == "oneccl":
+            _warn_imposed(topo, cname)
         settings = _settings(b.name, topo)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -256,7 +259,7 @@ def new_communicator(
                 handle = b.init_rank(world_size, bytes(uid), rank, what=what)  # named while it waits its turn
     pstore.set(f"ready/{rank}", "1")
     comm = adopt(b, handle, lambda: Communicator(b, device, handle, rank, world_size, t, record_stream, pstore,
-                                                 name=cname))  # freed if its construction raises (issue 33)
+                                                 name=cname, own=made["own"]))  # freed if it raises (issue 33)
     comm.topology = topo
     if nonblocking:
         watchdog.make_nonblocking(comm)
@@ -325,11 +328,43 @@ def _clash_text(topo: "topology.Topology") -> str:
 
 
 def _conflict_text(conflicts: List[str]) -> str:
+    native = any(not t.startswith(tuple(env.OWN)) for t in conflicts)
     return ("settings that must be equal on every rank differ: " + " | ".join(conflicts) + ". Ranks that "
-            "run different ones exchange mismatched messages (wrong results or a hang). Set each on every rank "
-            "alike, or on none (streamcoll then chooses one value for all); a value in effect since a process's "
-            "first oneCCL init stays for that process (oneCCL reads its variables once): make that "
-            "process's first communicator agree, or start it afresh")
+            "run different ones exchange mismatched messages, or wait for checks their peers never make "
+            "(wrong results or a hang). Set each on every rank alike, or on none (streamcoll then chooses one "
+            "value for all)" + ("; a value in effect since a process's first oneCCL init stays for that "
+                                "process (oneCCL reads its variables once): make that process's first "
+                                "communicator agree, or start it afresh" if native else ""))
+
+
+_IMPOSED_SAID: List[str] = []
+
+
+def _warn_imposed(topo: "topology.Topology", cname: str) -> None:
+    """A communicator over the launcher's whole world made after another
+    was this process's first oneCCL communicator (``STREAMCOLL_EAGER_INIT=0``,
+    ``auto`` on a CUDA host, ``new_communicator`` over a subset first):
+    oneCCL read its variables once, at that first init, so this one runs
+    with that communicator's choices, not with its own layout's: TCP, and
+    also its spin and algorithm (a one-rank group never shares a core, so
+    an oversubscribed world spins where it would yield). Said once per
+    process, on every rank (each computes the same); values the user set
+    are the user's choice and not named."""
+    running = env.in_effect()
+    if not running or not topo.spans_job or _IMPOSED_SAID:
+        return
+    user = env._user_env()
+    wanted = env.agreed_defaults(topo)
+    differ = [f"{k}={repr(v) if v is not None else 'unset'} (this communicator's layout: "
+              f"{repr(wanted.get(k)) if wanted.get(k) is not None else 'unset'})"
+              for k, v in running.items() if k not in user and v != wanted.get(k)]
+    if not differ or not env.enabled(user):
+        return
+    _IMPOSED_SAID.append(cname)
+    log.warning("communicator %r (the launcher's whole world) runs with settings in effect since this process's "
+                "first oneCCL communicator (oneCCL reads its variables once), not those its own layout calls for: "
+                "%s. Make the world's communicator first (STREAMCOLL_EAGER_INIT=1, or a world collective before "
+                "any sub-group's) to run with its own", cname, ", ".join(differ))
 
 
 def _settings(backend: str, topo: "topology.Topology") -> Dict[str, str]:

@@ -97,6 +97,7 @@ import numpy as np
 import torch
 
 from . import debug as _debug
+from . import env as _env
 from . import general_methods
 from . import recorder as _flight
 from . import spec as _spec
@@ -229,6 +230,8 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
         record_stream: Optional[bool] = None,
         store: Any = None,
         name: str = "default",
+        *,
+        own: Optional[Dict[str, str]] = None,
     ) -> None:
         self._backend = backend
         self._ffi = ffi = backend.ffi
@@ -246,6 +249,9 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
         self.record_stream = bool(record_stream)
         self._store = store
         self.name = name
+        # streamcoll's own settings that must agree (env.OWN): those agreed at the rendezvous (a
+        # split's: its parent's), so a rank's environment changed later cannot make it differ
+        self._own = _env.check_own(own or {})
         self._pid = os.getpid()
         self.id = next(_IDS)  # what compiled code receives for this communicator (an int)
         _BY_ID[self.id] = self
@@ -287,9 +293,11 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
         self._sync_events = _sync_events_for(self)
         self._launch_sync = build_sync_launcher(self)
         self._fast: Dict[str, Callable[..., Any]] = {}
-        self._sig = _debug.signatures_for(self)  # first-call checks (debug.Signatures), read by the fast paths
+        # first-call checks (debug.Signatures), read by the fast paths, and the per-call checks,
+        # with the values the ranks agreed on (not this process's environment now)
+        self._sig = _debug.signatures_for(self, int(self._own["STREAMCOLL_SIGNATURE_CHECKS"]))
         self._build_fast_paths()
-        _debug.maybe_install(self)
+        _debug.maybe_install(self, self._own["STREAMCOLL_DEBUG_CHECKS"] == "1")
         from . import watchdog
         watchdog.register(self)
         _LIVE.add(self)
@@ -725,7 +733,7 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
         child = adopt(self._backend, newh, lambda: Communicator(
             self._backend, self._device, newh, new_rank, len(members),
             self.timeout if timeout is None else timeout, self.record_stream, self._store,
-            name=f"{self.name}/split{c}" if k == 1 else f"{self.name}/split{c}.{k}",
+            name=f"{self.name}/split{c}" if k == 1 else f"{self.name}/split{c}.{k}", own=self._own,
         ))
         if self.topology is not None:  # derived from this one's: no store, no exchange
             child.topology = self.topology.subgroup([r for _, r in members], new_rank)

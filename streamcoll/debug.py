@@ -362,10 +362,11 @@ def is_enabled(comm: Any) -> bool:
     return getattr(comm, "_debug", None) is not None
 
 
-def maybe_install(comm: Any) -> None:
-    """Called by ``Communicator.__init__``: enable if ``STREAMCOLL_DEBUG_CHECKS`` is set."""
+def maybe_install(comm: Any, on: Optional[bool] = None) -> None:
+    """Called by ``Communicator.__init__``: enable if ``on`` (the agreed
+    ``STREAMCOLL_DEBUG_CHECKS``; None: this process's environment)."""
     comm._debug = None
-    if _env_on() and comm._store is not None:
+    if (_env_on() if on is None else on) and comm._store is not None:
         enable(comm)
 
 
@@ -563,11 +564,13 @@ class Signatures:
 FAST_KEYS_MAX = 4096
 
 
-def signatures_for(comm: Any) -> Optional[Signatures]:
-    """The first-call checks of a new communicator (None: one rank, no
-    store, or ``STREAMCOLL_SIGNATURE_CHECKS=0``)."""
+def signatures_for(comm: Any, bound: Optional[int] = None) -> Optional[Signatures]:
+    """The first-call checks of a new communicator, up to ``bound``
+    signatures (the agreed ``STREAMCOLL_SIGNATURE_CHECKS``; None: this
+    process's environment); None: one rank, no store, or a bound of 0."""
     if comm._size < 2 or comm._store is None:
         return None
-    from .env_vars import read_int
-    bound = read_int("STREAMCOLL_SIGNATURE_CHECKS", SIGNATURE_BOUND, 0)
+    if bound is None:
+        from .env_vars import read_int
+        bound = read_int("STREAMCOLL_SIGNATURE_CHECKS", SIGNATURE_BOUND, 0)
     return Signatures(comm, bound) if bound else None

@@ -18,6 +18,24 @@ between ranks, every rank refuses before the native init, naming the
 variable, the ranks and their values. The others (local rank, interfaces,
 log level) belong to the rank or its host and may differ.
 
+**streamcoll's own settings** (:data:`OWN`) are agreed the same way: the
+variables that change which C call a rank makes (``STREAMCOLL_WIDEN_BF16``:
+at two ranks a bf16 sum is an all-gather, else an all-reduce) or which
+checks it runs (``STREAMCOLL_SIGNATURE_CHECKS`` and its bound,
+``STREAMCOLL_DEBUG_CHECKS`` / ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: store keys
+every rank writes and waits for). Measured before they were: one rank with
+``STREAMCOLL_WIDEN_BF16=0`` was right by chance at small sizes and stuck
+with its peer at 100,000 elements; one rank without the first-call checks
+had its peer blame it for never reaching a collective it did reach. Each
+rank reports its effective value in its facts (:func:`own`), rank 0's
+:func:`agree` compares them with the native ones (no request more), and
+every communicator runs with the agreed values (a split or a sub-group
+derived from a parent takes the parent's), never with what its process's
+environment says later. The rest of streamcoll's variables change only
+what a rank does locally (timeouts, the watchdog's policy, when a small
+async call starts, how tensors are kept alive, recording, library paths)
+and may differ; ``docs/backends-and-defaults.md``'s table says which.
+
 **Applied, not left behind** (:func:`applied`): streamcoll sets its values
 only around the native calls that read them (the unique id and the
 communicator's init: oneCCL reads its variables at its global init inside
@@ -113,10 +131,12 @@ import contextlib
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Mapping, NamedTuple, Optional, Protocol, Sequence, Tuple
 
-__all__ = ["APPLIED", "RELEVANT", "AGREEMENT", "MUST_AGREE", "Agreement", "Agreed", "Bound", "agree",
+__all__ = ["APPLIED", "RELEVANT", "AGREEMENT", "MUST_AGREE", "OWN", "Own", "OwnValues", "own", "check_own",
+           "Agreement",
+           "Agreed", "Bound", "agree",
            "agreed_defaults", "bound", "enabled", "plan", "applied", "interface_defaults", "in_effect"]
 
 LOG = logging.getLogger("streamcoll")
@@ -163,6 +183,36 @@ AGREEMENT: Dict[str, Agreement] = {
 }
 MUST_AGREE: Tuple[str, ...] = tuple(k for k, a in AGREEMENT.items() if a.must)
 
+
+class Own(NamedTuple):
+    """One of streamcoll's own settings that must be equal on every rank."""
+
+    library: str                # "oneccl", "nccl" or "any": whose communicators it changes
+    variables: Tuple[str, ...]  # what sets it (the first is its name in facts and messages)
+    why: str
+
+
+OWN: Dict[str, Own] = {
+    "STREAMCOLL_WIDEN_BF16": Own("oneccl", ("STREAMCOLL_WIDEN_BF16",),
+                                 "which C calls a bf16 reduction makes (oneCCL's CPU path: through float32, at "
+                                 "two ranks an all-gather): measured, one rank without it and both stuck at "
+                                 "100,000 elements"),
+    "STREAMCOLL_SIGNATURE_CHECKS": Own("any", ("STREAMCOLL_SIGNATURE_CHECKS",),
+                                       "the first-call checks: store keys every rank writes and waits for, for "
+                                       "the first N signatures; a rank with none, or another bound, leaves its "
+                                       "peers waiting for keys it never writes"),
+    "STREAMCOLL_DEBUG_CHECKS": Own("any", ("STREAMCOLL_DEBUG_CHECKS", "TORCH_DISTRIBUTED_DEBUG"),
+                                   "the per-call checks (TORCH_DISTRIBUTED_DEBUG=DETAIL turns them on too): the "
+                                   "same store protocol on every call"),
+}
+"""streamcoll's own variables that must agree (see the module docstring);
+agreed with the native ones by :func:`agree`, from :func:`own`."""
+
+_OFF = ("0", "false", "no", "off")
+
+OwnValues = Tuple[Tuple[str, str, str], ...]
+"""(setting, value, source) for each of :data:`OWN`, as a rank reads them (:func:`own`)."""
+
 USER = "set by the user"
 IN_EFFECT = "in effect since this process's first oneCCL init"
 DEFAULT = "streamcoll's default"
@@ -191,6 +241,8 @@ class RankFactsLike(Protocol):
     def rank(self) -> int: ...
     @property
     def bound(self) -> Bound: ...
+    @property
+    def own(self) -> "OwnValues": ...
     @property
     def defaults(self) -> bool: ...
     @property
@@ -261,6 +313,51 @@ def bound() -> Bound:
     return tuple(out)
 
 
+def own(environ: Optional[Mapping[str, str]] = None) -> OwnValues:
+    """This rank's value of each of :data:`OWN`, as (name, value, source):
+    the effective value as text (``"1"``/``"0"``, the bound as a number),
+    so spellings of one value agree; ``source`` :data:`USER`, :data:`DEFAULT`
+    or what else set it. A malformed value travels as it is, its source
+    saying what was expected: every rank then refuses together
+    (:func:`check_own`), where raising here would stop this rank alone
+    and leave the others waiting for it."""
+    e = os.environ if environ is None else environ
+    raw = e.get("STREAMCOLL_WIDEN_BF16", "").strip()
+    out: List[Tuple[str, str, str]] = [("STREAMCOLL_WIDEN_BF16", "0" if raw.lower() in _OFF else "1",
+                                        USER if raw else DEFAULT)]
+    raw = e.get("STREAMCOLL_SIGNATURE_CHECKS", "").strip()
+    from .debug import SIGNATURE_BOUND
+    try:
+        n = int(raw) if raw else SIGNATURE_BOUND
+        out.append(("STREAMCOLL_SIGNATURE_CHECKS", str(n), USER if raw else DEFAULT) if n >= 0 else
+                   ("STREAMCOLL_SIGNATURE_CHECKS", raw, "not valid: expected an integer >= 0"))
+    except ValueError:
+        out.append(("STREAMCOLL_SIGNATURE_CHECKS", raw, "not valid: expected an integer >= 0"))
+    if e.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL":
+        out.append(("STREAMCOLL_DEBUG_CHECKS", "1", "TORCH_DISTRIBUTED_DEBUG=DETAIL"))
+    else:
+        raw = e.get("STREAMCOLL_DEBUG_CHECKS", "").strip()
+        out.append(("STREAMCOLL_DEBUG_CHECKS", "0" if raw.lower() in ("",) + _OFF else "1", USER if raw else DEFAULT))
+    return tuple(out)
+
+
+def check_own(values: Mapping[str, str]) -> Dict[str, str]:
+    """``values`` (agreed, :attr:`Agreed.own`) over this process's own
+    reading for any missing (a peer of a version without them); a
+    malformed one is the ValueError its variable's reader raises. Every
+    rank has the same ``values``, so every rank raises together."""
+    out = {k: v for k, v, _ in own()}
+    out.update(values)
+    bound = out["STREAMCOLL_SIGNATURE_CHECKS"]
+    try:
+        n = int(bound)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"STREAMCOLL_SIGNATURE_CHECKS: expected an integer >= 0, got {bound}")
+    return out
+
+
 def interface_defaults(iface: Optional[str]) -> Dict[str, str]:
     """The interface that reaches the rendezvous address, for oneCCL's
     key-value store (``CCL_KVS_IFACE``) and NIC (``CCL_MNIC_NAME``: without it
@@ -310,19 +407,22 @@ class Agreed:
 
     values: Dict[str, Optional[str]]
     conflicts: Dict[str, str]
+    own: Dict[str, str] = field(default_factory=dict)  # streamcoll's own (OWN): the value every rank runs with
 
     def conflicts_for(self, backend: str) -> List[str]:
-        """The conflicts that matter to ``backend``'s library."""
-        return [t for k, t in self.conflicts.items() if AGREEMENT[k].library == backend]
+        """The conflicts that matter to ``backend``'s communicators."""
+        def library(k: str) -> str:
+            return AGREEMENT[k].library if k in AGREEMENT else OWN[k].library
+        return [t for k, t in self.conflicts.items() if library(k) in (backend, "any")]
 
     def to_json(self) -> Dict[str, object]:
         """For a topology published through the store (plain JSON types)."""
-        return {"values": self.values, "conflicts": self.conflicts}
+        return {"values": self.values, "conflicts": self.conflicts, "own": self.own}
 
     @classmethod
     def from_json(cls, d: Mapping[str, object]) -> "Agreed":
         """The inverse of :meth:`to_json`."""
-        return cls(dict(d["values"]), dict(d["conflicts"]))  # type: ignore[call-overload]
+        return cls(dict(d["values"]), dict(d["conflicts"]), dict(d.get("own") or {}))  # type: ignore[call-overload]
 
 
 def _ranks(rs: Sequence[int]) -> str:
@@ -360,7 +460,19 @@ def agree(topo: "TopologyLike", facts: Sequence["RankFactsLike"]) -> Agreed:
                  for (v, src), rs in sorted(groups.items(), key=lambda kv: kv[1][0])]
         conflicts[name] = f"{name}: " + "; ".join(parts)
         values[name] = None
-    return Agreed(values, conflicts)
+    mine: Dict[str, str] = {}
+    for name in OWN:  # streamcoll's own: every rank's effective value, no defaults to fill in
+        said = {f.rank: (v, src) for f in facts for (k, v, src) in f.own if k == name}
+        kinds = {v for v, _ in said.values()}
+        if len(kinds) == 1:
+            mine[name] = kinds.pop()
+        elif kinds:
+            by: Dict[Tuple[str, str], List[int]] = {}
+            for r, vs in sorted(said.items()):
+                by.setdefault(vs, []).append(r)
+            conflicts[name] = f"{name}: " + "; ".join(f"{_ranks(rs)}: {v!r} ({src})" for (v, src), rs
+                                                      in sorted(by.items(), key=lambda kv: kv[1][0]))
+    return Agreed(values, conflicts, mine)
 
 
 def plan(topo: "TopologyLike", backend: str, environ: Optional[Mapping[str, str]] = None,

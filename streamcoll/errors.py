@@ -200,21 +200,27 @@ class MismatchError(CollectiveError):
 class RendezvousError(CollectiveError):
     """The ranks did not all meet before the timeout (or the store could not
     be reached). Names the ranks still missing, the store's address and
-    port, and the world sizes (the one asked for and ``WORLD_SIZE``)."""
+    port, and the world sizes (the one asked for and ``WORLD_SIZE``).
+
+    ``timed_out``: False where nothing waited out a timeout (the store
+    stopped answering: the rank hosting it left), so that no caller
+    reports one."""
 
     def __init__(self, message: str, missing: Optional[Sequence[int]] = None, address: str = "",
-                 port: int = -1, world_size: int = -1, env_world_size: Optional[str] = None) -> None:
+                 port: int = -1, world_size: int = -1, env_world_size: Optional[str] = None,
+                 timed_out: bool = True) -> None:
         self.message = message
         self.missing = list(missing or [])
         self.address = address
         self.port = port
         self.world_size = world_size
         self.env_world_size = env_world_size
+        self.timed_out = timed_out
         CollectiveError.__init__(self, message)
 
     def __reduce__(self):
         return (type(self), (self.message, self.missing, self.address, self.port, self.world_size,
-                             self.env_world_size))
+                             self.env_world_size, self.timed_out))
 
 
 class BackendUnavailableError(CollectiveError):

@@ -340,13 +340,13 @@ def _mpi_rendezvous(launch: Launch, env: Mapping[str, str]) -> Launch:
             f"rank) and MASTER_PORT (and WORLD_SIZE where the launcher sets no size) on every rank, or make mpi4py "
             f"importable (pip install mpi4py) so that rank 0 broadcasts its address and a free port"
             + (f" ({_MPI4PY_ERROR})" if _MPI4PY_ERROR else ""),
-            [], addr or "", -1, -1 if launch.world_size is None else launch.world_size)
+            [], addr or "", -1, -1 if launch.world_size is None else launch.world_size, timed_out=False)
     comm = MPI.COMM_WORLD
     size, mrank = comm.Get_size(), comm.Get_rank()
     if launch.world_size is not None and (size != launch.world_size or mrank != launch.rank):
         raise RendezvousError(
             f"{launch.describe()}: mpi4py's MPI_COMM_WORLD says rank {mrank} of {size}. Run mpi4py from the MPI "
-            f"that launched the job (or set MASTER_ADDR/MASTER_PORT)", [], addr or "", -1, size)
+            f"that launched the job (or set MASTER_ADDR/MASTER_PORT)", [], addr or "", -1, size, timed_out=False)
     from .topology import host_identity
     nets = comm.allgather(host_identity()[2])
     chosen = (addr or _reachable_address(all(n == nets[0] for n in nets)), port or str(_free_port())) \
@@ -368,7 +368,7 @@ def _rendezvous(launch: Launch, env: Mapping[str, str]) -> Launch:
             need = " and ".join(n for n, v in (("MASTER_ADDR", addr), ("MASTER_PORT", port)) if v is None)
             raise RendezvousError(
                 f"{launch.describe()}: SLURM gives no {'nodelist' if addr is None else 'job id'} to derive the "
-                f"rendezvous from; set {need} on every task", [], addr or "", -1, launch.world_size or -1)
+                f"rendezvous from; set {need} on every task", [], addr or "", -1, launch.world_size or -1, timed_out=False)
         return replace(launch, address=addr, port=port, how=how)
     return _mpi_rendezvous(launch, env)
 

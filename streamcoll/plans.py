@@ -126,7 +126,10 @@ class PlanContext:
         self.dtypes = b.dtypes
         self.emulated = b.emulated(comm._device.type)
         # dtype -> the dtype its reductions run in (oneCCL CPU bf16: float32)
-        self.widened: Dict[torch.dtype, torch.dtype] = b.widened(comm._device.type)
+        # (STREAMCOLL_WIDEN_BF16 as agreed at the communicator's rendezvous: every rank's the same)
+        own = getattr(comm, "_own", None)
+        self.widened: Dict[torch.dtype, torch.dtype] = b.widened(
+            comm._device.type, None if own is None else own["STREAMCOLL_WIDEN_BF16"] != "0")
         self.op_cache: Dict[Any, tuple] = {}
         # C op -> the local op of a widened reduction's pair form (pair_op):
         # two ranks and one widened dtype (the fast path's gather scratch is of it)

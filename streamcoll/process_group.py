@@ -257,8 +257,11 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
                                              world_size=self._size, name=f"pg{label}-{key}",
                                              known_topology=group_topology(self))
                     except (dist.DistStoreError, RendezvousError) as e:
-                        # the store timing out, or the rendezvous naming the ranks that never came
+                        # the store timing out, or the rendezvous naming the ranks that never came; not
+                        # a store that stopped answering (its host left: no timeout ran, none is reported)
                         if isinstance(e, dist.DistStoreError) and "imeout" not in str(e):
+                            raise
+                        if isinstance(e, RendezvousError) and not e.timed_out:
                             raise
                         t = _seconds(self._timeout)
                         raise CollectiveTimeout(

@@ -260,7 +260,7 @@ def _announcement(raw: bytes) -> dict:
 
 def _published_error(e: BaseException) -> dict:
     if isinstance(e, RendezvousError):
-        return {"kind": "rendezvous", "message": e.message, "missing": e.missing}
+        return {"kind": "rendezvous", "message": e.message, "missing": e.missing, "timed_out": e.timed_out}
     kind = "communicator" if isinstance(e, CommunicatorError) else type(e).__name__
     return {"kind": kind, "message": str(e), "missing": []}
 
@@ -269,7 +269,8 @@ def _raise_published(err: dict, rank: int, world_size: int) -> None:
     addr, port = _reported_address() if "MASTER_PORT" in os.environ else ("", -1)
     msg = f"{err['message']} (reported by rank 0 to every rank; this is rank {rank})"
     if err["kind"] == "rendezvous":
-        raise RendezvousError(msg, err.get("missing") or [], addr, port, world_size, os.environ.get("WORLD_SIZE"))
+        raise RendezvousError(msg, err.get("missing") or [], addr, port, world_size, os.environ.get("WORLD_SIZE"),
+                              timed_out=err.get("timed_out", True))
     if err["kind"] != "communicator":
         msg = f"rank 0 failed to compute the topology: {err['kind']}: {msg}"
     raise CommunicatorError(msg)
@@ -302,7 +303,7 @@ class _Lead:
         return RendezvousError(
             f"rendezvous of communicator {self.cname!r} failed on rank 0: {detail} (store{where}; world size "
             f"{self.world_size}, WORLD_SIZE={env_ws}). Start every rank with the same MASTER_ADDR/MASTER_PORT and "
-            "world size, or raise the timeout.", missing, addr, port, self.world_size, env_ws)
+            "world size, or raise the timeout.", missing, addr, port, self.world_size, env_ws, timed_out=not err)
 
     def _report(self) -> None:
         interval = _progress_interval(self.timeout)
@@ -388,8 +389,10 @@ def _follow(store: Any, rank: int, world_size: int, timeout: float, cname: str) 
             if failed:
                 last = (f"; it last said it waited for {_ranks_text(list(topology.parse_runs(said)))}"
                         if said else "")
-                detail = (f"the store stopped answering ({_first_lines(e)}); rank 0, which publishes the topology, "
-                          f"may have died (it hosts the store under env:// without torchrun){last}")
+                detail = (f"the store stopped answering ({_first_lines(e)}) after {time.monotonic() - start:.1f} s, "
+                          f"before rank 0 published the outcome, and nothing timed out: the process hosting the "
+                          f"store left or died (rank 0 under env:// without torchrun, or with a TCPStore it made)"
+                          f"{last}")
             elif said:
                 detail = (f"rank 0 still waited for {_ranks_text(list(topology.parse_runs(said)))}, which never "
                           f"joined within {timeout:g} s")
@@ -399,8 +402,10 @@ def _follow(store: Any, rank: int, world_size: int, timeout: float, cname: str) 
             missing = list(topology.parse_runs(said)) if said and not failed else [0]
             raise RendezvousError(
                 f"rendezvous of communicator {cname!r} failed on rank {rank}: {detail} (store{where}; world size "
-                f"{world_size}, WORLD_SIZE={env_ws}). Start every rank with the same MASTER_ADDR/MASTER_PORT and "
-                "world size, or raise the timeout.", missing, addr, port, world_size, env_ws) from None
+                f"{world_size}, WORLD_SIZE={env_ws}). " + (
+                    "Look at the output of the process that hosted the store for why it ended." if failed else
+                    "Start every rank with the same MASTER_ADDR/MASTER_PORT and world size, or raise the timeout."),
+                missing, addr, port, world_size, env_ws, timed_out=not failed) from None
         if "waiting" in body:
             said = body["waiting"]
             log.warning("streamcoll: rank %d waiting for %s to join communicator %r (rank 0 says; store%s; world "
@@ -409,6 +414,9 @@ def _follow(store: Any, rank: int, world_size: int, timeout: float, cname: str) 
             k += 1
             continue
         if "error" in body:
+            if body.get("ack"):  # rank 0 keeps the store up until every rank has read why (_hold_for_readers)
+                with contextlib.suppress(RuntimeError, OSError):
+                    store.set(_read_key(rank), "1")
             _raise_published(body["error"], rank, world_size)
         return body
 
@@ -451,9 +459,12 @@ def rendezvous(store: Any, rank: int, world_size: int, *, timeout: Union[float, 
     While it waits, rank 0 says every ``timeout/5`` (1 to 30 s) which ranks
     are missing and tells the others, who say it too; at the timeout every
     rank raises a :class:`RendezvousError` naming them. An error of rank 0's
-    (the computation, ``make_uid``) is published and raised on every rank. A
-    rank 0 that never comes or dies leaves the others a RendezvousError
-    within the timeout (at once where rank 0 hosted the store).
+    (the computation, ``make_uid``) is published and raised on every rank;
+    rank 0 raises it once every rank has read it (at most
+    :data:`HOLD_FOR_READERS` s), so that a rank 0 hosting the store does not
+    close it under a rank still reading. A rank 0 that never comes or dies
+    leaves the others a RendezvousError within the timeout (at once where
+    rank 0 hosted the store, saying so, with ``timed_out`` False).
     """
     import torch.distributed as dist
     t = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
@@ -492,7 +503,7 @@ def rendezvous(store: Any, rank: int, world_size: int, *, timeout: Union[float, 
                 raise RendezvousError(
                     f"communicator {cname!r}: rank(s) {', '.join(map(str, empty))} left no facts in namespace "
                     f"{prefix!r} (an earlier attempt on this store timed out there): retry with a new store, "
-                    f"or another name=")
+                    f"or another name=", timed_out=False)
             everyone = [me] + [topology.RankFacts.from_json(v) for v in values]
             topo = topology.Topology(topology.compute(everyone), 0, me)
         if make_uid is None:  # the CPU backend's, made in bootstrap's environment for native calls
@@ -502,11 +513,34 @@ def rendezvous(store: Any, rank: int, world_size: int, *, timeout: Union[float, 
     except Exception as e:
         if world_size > 1:
             with contextlib.suppress(RuntimeError, OSError):
-                rounds.publish(pstore, {"error": _published_error(e)}, final=True)
+                if rounds.publish(pstore, {"error": _published_error(e), "ack": 1}, final=True):
+                    _hold_for_readers(pstore, world_size, t)
         raise
     if world_size > 1:
         rounds.publish(pstore, {"topology": topology.to_plain(topo.layout), "uid": uid.hex()}, final=True)
     return Meeting(topo, uid, pstore, cname)
+
+
+def _read_key(rank: int) -> str:
+    return f"read-error/{rank}"
+
+
+def _hold_for_readers(pstore: Any, world_size: int, timeout: float) -> None:
+    """After rank 0 published why it refused (every rank had joined: its
+    facts were read), wait until every rank has read it, at most
+    :data:`HOLD_FOR_READERS` s. Rank 0 often hosts the store (env://
+    without torchrun, a TCPStore it made) and leaves right after raising:
+    a rank that had not yet read the outcome then found the store gone and
+    could only guess (it reported a timeout that never ran: "did not
+    complete within 1800 s", at once). One server-side wait on rank 0, one
+    ``set`` per other rank, on this path only."""
+    keys = [_read_key(r) for r in range(1, world_size)]
+    with contextlib.suppress(RuntimeError, OSError):
+        pstore.wait(keys, timedelta(seconds=max(0.1, min(HOLD_FOR_READERS, timeout))))
+
+
+HOLD_FOR_READERS = 10.0
+"""Seconds rank 0 waits, at most, for every rank to read the error it published."""
 
 
 def _check_name(name: Optional[str], world_size: int) -> None:
@@ -542,4 +576,4 @@ def _claim(pstore: Any, rank: int, world_size: int, me: topology.RankFacts, cnam
            "joined (use a new name or store)")
     with contextlib.suppress(RuntimeError, OSError):
         pstore.set("conflict", msg)  # for the timeout messages of the ranks that wait in this namespace
-    raise RendezvousError(msg, [], addr, port, world_size, os.environ.get("WORLD_SIZE"))
+    raise RendezvousError(msg, [], addr, port, world_size, os.environ.get("WORLD_SIZE"), timed_out=False)

@@ -28,7 +28,8 @@ loopback key-value store) make init hang. A rank reports instead:
 - the values of the variables that must agree across ranks which are not
   streamcoll's to choose (the user's, or in effect since the process's first
   oneCCL init: :func:`streamcoll.env.bound`), and whether it applies
-  defaults at all; :class:`Topology` computes from all ranks' facts the one
+  defaults at all; and its value of each of streamcoll's own settings that
+  must agree (:func:`streamcoll.env.own`); :class:`Topology` computes from all ranks' facts the one
   value of each such variable, or the conflict that refuses the init
   (:func:`streamcoll.env.agree`).
 - the **route to the rendezvous address** (``MASTER_ADDR``, else the store's
@@ -116,6 +117,7 @@ class RankFacts:
     bound: Tuple[Tuple[str, Optional[str], str], ...] = ()  # env.bound(): must-agree values not streamcoll's
     defaults: bool = True                                   # streamcoll applies defaults (env.enabled())
     job_size: Optional[int] = None                          # the launcher's world size (WORLD_SIZE), if known
+    own: Tuple[Tuple[str, str, str], ...] = ()              # env.own(): streamcoll's own must-agree settings
 
     def to_json(self) -> str:
         """Compact JSON (the CPU list as ranges, ``"0..63"``), see :func:`to_plain`."""
@@ -384,7 +386,7 @@ def local_facts(rank: int, store: Any = None) -> RankFacts:
     addr = rendezvous_address(store)
     route = route_to(addr) if addr else None
     return RankFacts(rank, ident, machine, network, socket.gethostname(), os.getpid(), _node(rank), _cpus(), route,
-                     env.bound(), env.enabled(), _job_size())
+                     env.bound(), env.enabled(), _job_size(), env.own())
 
 
 def _job_size() -> Optional[int]:
@@ -470,6 +472,9 @@ class Layout:
     agreed: Dict[str, Optional[str]] = field(default_factory=dict)
     conflicts: Dict[str, str] = field(default_factory=dict)
     job_size: Optional[int] = None       # the launcher's world size its ranks report (largest), if known
+    # streamcoll's own must-agree settings (streamcoll.env.OWN): the value every communicator of
+    # this layout, and of every sub-group derived from it, runs with
+    own: Dict[str, str] = field(default_factory=dict)
 
 
 def compute(facts: Sequence[RankFacts]) -> Layout:
@@ -514,7 +519,7 @@ def compute(facts: Sequence[RankFacts]) -> Layout:
     # rank is bound to (the user's, or in effect) from its facts.
     from .env import agree
     decided = agree(Topology(layout, 0, facts[0]), facts)
-    return replace(layout, agreed=dict(decided.values), conflicts=dict(decided.conflicts))
+    return replace(layout, agreed=dict(decided.values), conflicts=dict(decided.conflicts), own=dict(decided.own))
 
 
 class Topology:
@@ -578,7 +583,7 @@ class Topology:
         """The must-agree variables' values, or their conflicts (computed
         once, on rank 0, in :func:`compute`)."""
         from .env import Agreed
-        return Agreed(dict(self.layout.agreed), dict(self.layout.conflicts))
+        return Agreed(dict(self.layout.agreed), dict(self.layout.conflicts), dict(self.layout.own))
 
     @property
     def hostnames_tell_hosts_apart(self) -> bool:

@@ -124,7 +124,52 @@ def _nested_child() -> None:
     streamcoll.destroy()
 
 
-SCENARIOS = {"sums": _sums, "refused": _refused, "nested_parent": _nested_parent, "nested_child": _nested_child}
+def _settings() -> None:
+    """Init with this rank's variables (AGREE_* says none: the test gives
+    them per rank); where no rank refuses, a bf16 all_reduce of 100,000
+    elements (one rank in the pair form's all-gather and the other in
+    oneCCL's bf16 all_reduce hang there) and what the communicator runs with."""
+    import torch
+    import streamcoll
+    from streamcoll import debug
+    t0 = time.monotonic()
+    try:
+        comm = streamcoll.init(backend="oneccl", device="cpu", timeout=30)
+    except Exception as e:
+        _out({"raised": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - t0, "caught": _caught()})
+        return
+    x = torch.ones(100_000, dtype=torch.bfloat16)
+    comm.all_reduce(x)
+    _out({"raised": None, "sum_ok": bool((x == comm.size).all()), "widened": bool(comm._cx.widened),
+          "debug": debug.is_enabled(comm)})
+    streamcoll.destroy()
+
+
+def _sub_first() -> None:
+    """``init_process_group("streamcoll")`` with the world made lazily
+    (AGREE_EAGER), this rank's own one-rank group used first (AGREE_SUB_FIRST),
+    then a world all_reduce: what oneCCL runs the world with, and what the
+    world's own layout would have chosen."""
+    import torch
+    import torch.distributed as dist
+    from streamcoll import env
+    rank = int(os.environ["RANK"])
+    pins = dict(p.split(":") for p in os.environ.get("AGREE_PIN", "").split(";") if p)
+    if str(rank) in pins:
+        os.sched_setaffinity(0, {int(c) for c in pins[str(rank)].split(",")})
+    dist.init_process_group("streamcoll")
+    own = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    if os.environ.get("AGREE_SUB_FIRST") == "1":
+        dist.all_reduce(torch.ones(2), group=own[rank])
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    comm = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))._comms["cpu"]
+    _out({"sum": t.tolist(), "in_effect": env.in_effect(), "world": env.agreed_defaults(comm.topology)})
+    dist.destroy_process_group()
+
+
+SCENARIOS = {"sums": _sums, "refused": _refused, "nested_parent": _nested_parent, "nested_child": _nested_child,
+             "settings": _settings, "sub_first": _sub_first}
 
 
 # ==================================================================== tests
@@ -257,6 +302,136 @@ if __name__ != "__main__":
             assert child["applied"]["CCL_LOCAL_SIZE"] == "2" and child["applied"]["CCL_LOCAL_RANK"] == str(r), child
             assert child["applied"]["FI_PROVIDER"] == "shm", child
             assert child["sum"] == [2.0] * 3, child
+
+    @pytest.mark.parametrize("per_rank,shown", [
+        pytest.param({1: {"STREAMCOLL_WIDEN_BF16": "0"}},
+                     ("STREAMCOLL_WIDEN_BF16: rank 0: '1' (streamcoll's default); rank 1: '0' (set by the user)",),
+                     id="widen-bf16"),
+        pytest.param({1: {"STREAMCOLL_SIGNATURE_CHECKS": "0"}},
+                     ("STREAMCOLL_SIGNATURE_CHECKS: rank 0: '256' (streamcoll's default); rank 1: '0' (set by the user)",),
+                     id="signature-checks-off"),
+        pytest.param({0: {"STREAMCOLL_SIGNATURE_CHECKS": "16"}},
+                     ("STREAMCOLL_SIGNATURE_CHECKS: rank 0: '16' (set by the user); rank 1: '256' (streamcoll's default)",),
+                     id="signature-bound"),
+        pytest.param({0: {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}},
+                     ("STREAMCOLL_DEBUG_CHECKS: rank 0: '1' (TORCH_DISTRIBUTED_DEBUG=DETAIL); "
+                      "rank 1: '0' (streamcoll's default)",), id="debug-checks"),
+    ])
+    def test_streamcolls_own_settings_on_one_rank_are_refused_everywhere(tmp_path, per_rank, shown):
+        """Issue 42, finding 5: a variable of streamcoll's own that changes
+        which C call a rank makes, or which checks it runs, set on one rank
+        only: both ranks raise before the native init, naming the variable,
+        each rank's value and the way out. Before: STREAMCOLL_WIDEN_BF16=0 on
+        one rank hung both in the 100,000-element bf16 all_reduce (one in the
+        pair form's all-gather, one in oneCCL's bf16 all_reduce); checks on
+        one rank only left it blaming the other for never reaching the call."""
+        ranks = Ranks("settings", 2, tmp_path, per_rank=per_rank)
+        ranks.finish(90)
+        info = ranks.describe()
+        for r in range(2):
+            res = ranks.result(r)
+            assert res.get("raised") == "CommunicatorError", info
+            msg = res["message"]
+            for text in shown:
+                assert text in msg, msg
+            assert "Set each on every rank alike, or on none" in msg, msg
+            assert "SIGSEGV" not in res["caught"], res  # oneCCL never initialised
+            assert res["elapsed"] < 25, res
+
+    def test_own_settings_that_agree_or_may_differ_pass(tmp_path):
+        """One effective value by different spellings (STREAMCOLL_DEBUG_CHECKS=1
+        and TORCH_DISTRIBUTED_DEBUG=DETAIL; the default spelled out), and
+        variables that change only what a rank does locally (when an async
+        call starts, how tensors are kept alive): no refusal, and both ranks
+        run with the checks on and bf16 widened."""
+        per_rank = {0: {"STREAMCOLL_DEBUG_CHECKS": "1", "STREAMCOLL_WIDEN_BF16": "1",
+                        "STREAMCOLL_SIGNATURE_CHECKS": "256"},
+                    1: {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "STREAMCOLL_INLINE_ASYNC_BYTES": "0",
+                        "STREAMCOLL_RECORD_STREAM": "1", "STREAMCOLL_FLIGHT_SIZE": "8"}}
+        ranks = Ranks("settings", 2, tmp_path, per_rank=per_rank)
+        ranks.finish(90)
+        info = ranks.describe()
+        for r in range(2):
+            assert ranks.result(r) == {"raised": None, "sum_ok": True, "widened": True, "debug": True}, info
+
+    def test_a_split_runs_with_its_parents_agreed_settings(monkeypatch):
+        """A communicator's own settings are those agreed at its rendezvous,
+        not what its process's environment says later: a split (no
+        rendezvous) takes its parent's, so one rank's later change cannot
+        make its children differ from its peers' (before: each child read
+        the environment at its creation). A new communicator's rendezvous
+        reads them afresh."""
+        import torch
+        import torch.distributed as dist
+        import streamcoll
+        from streamcoll import debug
+        for k in ("STREAMCOLL_WIDEN_BF16", "STREAMCOLL_SIGNATURE_CHECKS", "STREAMCOLL_DEBUG_CHECKS",
+                  "TORCH_DISTRIBUTED_DEBUG"):
+            monkeypatch.delenv(k, raising=False)
+        c = streamcoll.new_communicator(backend="oneccl", device="cpu", rank=0, world_size=1, store=dist.HashStore())
+        try:
+            monkeypatch.setenv("STREAMCOLL_WIDEN_BF16", "0")
+            monkeypatch.setenv("STREAMCOLL_DEBUG_CHECKS", "1")
+            child = c.split(0)
+            try:
+                assert child._cx.widened == {torch.bfloat16: torch.float32} and not debug.is_enabled(child)
+            finally:
+                child.destroy()
+            fresh = streamcoll.new_communicator(backend="oneccl", device="cpu", rank=0, world_size=1,
+                                                store=dist.HashStore())
+            try:
+                assert fresh._cx.widened == {} and debug.is_enabled(fresh)
+            finally:
+                fresh.destroy()
+        finally:
+            c.destroy()
+
+    def test_a_one_rank_group_first_imposes_its_settings_on_the_world(tmp_path):
+        """Issue 42, finding 10 (confirmed): with the world made lazily
+        (STREAMCOLL_EAGER_INIT=0, or auto on a CUDA host), a one-rank group
+        used first is each process's first oneCCL communicator, and oneCCL
+        reads its variables once: the world then runs with that group's
+        choices, TCP and also its spin and algorithm (two ranks on one core:
+        no worker offload, no yield, recursive doubling, where the world's
+        own layout calls for offload, sched_yield and nreduce). The sums are
+        right; every rank says so in a warning naming each variable, the
+        value in effect and the world's (before: nothing said it), and the
+        docs name them all (before: TCP only). The world made first keeps
+        its own choices (the second run)."""
+        lazy = {"STREAMCOLL_EAGER_INIT": "0", "AGREE_PIN": "0:0;1:0"}
+        os.makedirs(tmp_path / "sub")
+        ranks = Ranks("sub_first", 2, tmp_path / "sub", env=dict(lazy, AGREE_SUB_FIRST="1"))
+        ranks.finish(120)
+        info = ranks.describe()
+        for r in range(2):
+            res = ranks.result(r)
+            assert res and res["sum"] == [2.0, 2.0], info
+            world, running = res["world"], res["in_effect"]
+            assert (world["CCL_WORKER_OFFLOAD"], world["CCL_YIELD"], world["CCL_ALLREDUCE"],
+                    world["FI_PROVIDER"]) == ("1", "sched_yield", "nreduce", "shm"), res
+            assert (running["CCL_WORKER_OFFLOAD"], running["CCL_YIELD"], running["CCL_ATL_SHM"],
+                    running["FI_PROVIDER"]) == ("0", None, "0", "tcp"), res
+            assert running["CCL_ALLREDUCE"].startswith("recursive_doubling"), res
+            log = ranks.text(f"log{r}")
+            assert "runs with settings in effect since this process's first oneCCL communicator" in log, info
+            for text in ("CCL_WORKER_OFFLOAD='0' (this communicator's layout: '1')",
+                         "CCL_YIELD=unset (this communicator's layout: 'sched_yield')",
+                         "CCL_ALLREDUCE='recursive_doubling:0-16384;nreduce:16385-max' (this communicator's "
+                         "layout: 'nreduce')", "FI_PROVIDER='tcp' (this communicator's layout: 'shm')",
+                         "STREAMCOLL_EAGER_INIT=1"):
+                assert text in log, (text, log)
+        os.makedirs(tmp_path / "world")
+        ranks = Ranks("sub_first", 2, tmp_path / "world", env=dict(lazy, AGREE_SUB_FIRST="0"))
+        ranks.finish(120)
+        info = ranks.describe()
+        for r in range(2):
+            res = ranks.result(r)
+            assert res and res["sum"] == [2.0, 2.0], info
+            assert {k: res["in_effect"].get(k) for k in res["world"]} == res["world"], res
+            assert "first oneCCL communicator" not in ranks.text(f"log{r}"), info
+        with open(os.path.join(HERE, "..", "docs", "design.md")) as f:
+            design = f.read()
+        assert "its spin and algorithm settings" in design
 
 else:
     SCENARIOS[sys.argv[1]]()

@@ -46,3 +46,18 @@ def test_info_prints_every_variable(monkeypatch):
         assert re.search(rf"^  {name}(=| \(not set\))", text, re.M), name
     assert "  STREAMCOLL_WATCHDOG=fail\n" in text
     assert "  STREAMCOLL_FLIGHT_SIZE (not set) [streamcoll, default 1024]" in text
+
+
+def test_each_streamcoll_variable_says_whether_ranks_must_agree():
+    """Issue 42, finding 5: each of streamcoll's variables says whether it
+    must be equal on every rank (checked at the rendezvous, as oneCCL's
+    are) or may differ between ranks, and the table's "checked" ones are
+    exactly those streamcoll.env agrees: its native ones and its own."""
+    from streamcoll import env
+    checked = {v.name for v in env_vars.TABLE if "equal on every rank (checked" in v.doc}
+    agreed = set(env.MUST_AGREE) | {name for own in env.OWN.values() for name in own.variables}
+    assert checked == agreed, checked ^ agreed
+    for v in env_vars.TABLE:
+        if v.name.startswith("STREAMCOLL_"):
+            says = ("equal on every rank (checked" in v.doc, "may differ between ranks" in v.doc)
+            assert says in ((True, False), (False, True)), (v.name, v.doc)

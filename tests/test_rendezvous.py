@@ -269,3 +269,101 @@ def test_torchrun_job_with_none_of_the_suites_variables(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert sorted(line for line in p.stdout.splitlines() if line.startswith("rank ")) == [
         f"rank {r}: [1.5, 1.5, 1.5] [1.0, 1.0] kvs=None applied=lo" for r in range(2)], (p.stdout, p.stderr)
+
+
+_REINIT = r"""
+import datetime, json, os, sys, time, torch, torch.distributed as dist
+import streamcoll
+mode, rank = sys.argv[1], int(os.environ["RANK"])
+dist.init_process_group("streamcoll")
+dist.all_reduce(torch.ones(2))
+dist.destroy_process_group()  # no oneCCL communicator left: oneCCL remakes its transport from the next
+if rank == 2:
+    sys.exit(0)
+store = dist.TCPStore("127.0.0.1", int(os.environ["PORT2"]), 2, rank == 0, datetime.timedelta(seconds=60))
+
+
+class Late(dist.Store):
+    # Rank 1's store: says when it has claimed its slot, and reads rank 0's outcome 1 s late.
+    def __init__(self, base):
+        super().__init__()
+        self.base, self.late = base, True
+    def set(self, k, v): return self.base.set(k, v)
+    def get(self, k): return self.base.get(k)
+    def add(self, k, n): return self.base.add(k, n)
+    def check(self, keys): return self.base.check(keys)
+    def delete_key(self, k): return self.base.delete_key(k)
+    def num_keys(self): return self.base.num_keys()
+    def multi_get(self, keys): return self.base.multi_get(keys)
+    def multi_set(self, keys, values): return self.base.multi_set(keys, values)
+    def compare_set(self, k, e, d):
+        got = self.base.compare_set(k, e, d)
+        if "/host/" in k:
+            self.base.set("claimed", "1")
+        return got
+    def wait(self, keys, timeout=None):
+        if self.late and any("topology/" in k for k in keys):
+            self.late = False
+            time.sleep(1.0)
+        return self.base.wait(keys) if timeout is None else self.base.wait(keys, timeout)
+
+
+if rank == 1:
+    store = Late(store)
+elif mode == "left":  # rank 0 leaves without a word once rank 1 waits in the rendezvous
+    store.wait(["claimed"])
+    time.sleep(0.3)
+    os._exit(0)
+t0 = time.monotonic()
+try:
+    dist.init_process_group("streamcoll", store=store, rank=rank, world_size=2)
+    res = {"raised": None}
+except Exception as e:
+    res = {"raised": type(e).__name__, "message": str(e), "timed_out": getattr(e, "timed_out", None)}
+res["elapsed"] = time.monotonic() - t0
+print("RESULT " + json.dumps(res), flush=True)
+os._exit(0)  # at once, as a job whose init failed does: rank 0 hosts the new store
+"""
+
+
+@pytest.mark.parametrize("mode", ["refused", "left"])
+def test_a_peer_that_refused_or_left_is_no_timeout(tmp_path, mode):
+    """Issue 42, finding 7: a world of 3 destroyed, then a world of 2 on a
+    new store hosted by rank 0. Rank 0 refuses it (oneCCL would remake its
+    transport with shared memory sized for 2 of the launcher's 3 ranks) and
+    leaves at once; rank 1 reads the outcome late. Before: rank 1 raised
+    "init_process_group ... did not complete within 1800 s" at once (the
+    store was gone with rank 0; nothing waited 1800 s). Now rank 0 keeps the
+    store up until rank 1 has read its reason, which rank 1 raises; and a
+    rank 0 that left without a word (``left``) is reported as such, no
+    timeout."""
+    import json
+
+    from world import Processes, rank_env
+    procs = Processes(str(tmp_path))
+    port, port2 = free_port(), free_port()
+    for r in range(3):
+        env = dict(os.environ)
+        env.update(rank_env(r, 3, port), PORT2=str(port2))
+        procs.start([sys.executable, "-c", _REINIT, mode], env, f"out{r}")
+    try:
+        procs.wait_all(120)
+    finally:
+        procs.kill()
+    outs = [procs.text(f"out{r}") for r in range(3)]
+    info = "\n".join(f"--- rank {r}: exit {procs.rc(r)}\n{o[-3000:]}" for r, o in enumerate(outs))
+    res = [json.loads(line[7:]) for o in outs[:2] for line in o.splitlines() if line.startswith("RESULT ")]
+    one = res[-1] if res else {}
+    assert one, info
+    msg = one["message"]
+    assert "1800" not in msg and "did not complete" not in msg and one["raised"] != "CollectiveTimeout", info
+    assert one["elapsed"] < 15, info
+    if mode == "refused":
+        zero = res[0]
+        assert len(res) == 2 and zero["raised"] == one["raised"] == "CommunicatorError", info
+        assert "this process destroyed all its oneCCL communicators" in msg, msg
+        assert "(reported by rank 0 to every rank; this is rank 1)" in msg, msg
+    else:
+        assert len(res) == 1 and one["raised"] == "RendezvousError" and one["timed_out"] is False, info
+        assert "the store stopped answering" in msg and "nothing timed out" in msg, msg
+        assert "the process hosting the store left or died (rank 0 under env:// without torchrun" in msg, msg

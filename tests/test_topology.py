@@ -340,3 +340,72 @@ def test_a_first_communicator_short_of_the_launchers_world_runs_over_tcp():
     # a sub-group derived from the world keeps the world's decision (the world was first)
     world = Topology.from_facts(with_job(_hosts([4]), 4), 0)
     assert world.subgroup([0, 2], 0).agreed.values["FI_PROVIDER"] == "shm"
+
+
+_OWN_DEFAULTS = (("STREAMCOLL_WIDEN_BF16", "1", env.DEFAULT), ("STREAMCOLL_SIGNATURE_CHECKS", "256", env.DEFAULT),
+                 ("STREAMCOLL_DEBUG_CHECKS", "0", env.DEFAULT))
+
+
+def _own(**changed):
+    """streamcoll's own settings as a rank reports them, ``changed`` (name: (value, source)) replaced."""
+    return tuple((k, *changed[k]) if k in changed else (k, v, s) for k, v, s in _OWN_DEFAULTS)
+
+
+def test_streamcolls_own_settings_must_agree_like_oneccls():
+    """Issue 42, finding 5: streamcoll's own variables that change which C
+    call a rank makes (STREAMCOLL_WIDEN_BF16) or which checks it runs
+    (STREAMCOLL_SIGNATURE_CHECKS and its bound, STREAMCOLL_DEBUG_CHECKS or
+    TORCH_DISTRIBUTED_DEBUG=DETAIL) travel in every rank's facts and are
+    agreed by the one function that agrees oneCCL's (before: only oneCCL's
+    were compared; one rank with STREAMCOLL_WIDEN_BF16=0 hung both at
+    100,000 elements)."""
+    def topo(changes):
+        fs = [dataclasses.replace(f, own=_own(**changes.get(f.rank, {}))) for f in _hosts([3])]
+        return Topology.from_facts(fs, 0)
+
+    t = topo({2: {"STREAMCOLL_WIDEN_BF16": ("0", env.USER)}})
+    (msg,) = t.agreed.conflicts_for("oneccl")
+    assert msg == "STREAMCOLL_WIDEN_BF16: ranks 0, 1: '1' (streamcoll's default); rank 2: '0' (set by the user)", msg
+    assert t.agreed.conflicts_for("nccl") == []  # no dtype is widened on NCCL: it may differ there
+    t = topo({0: {"STREAMCOLL_SIGNATURE_CHECKS": ("16", env.USER)}})
+    for backend in ("oneccl", "nccl"):  # the checks' store protocol is every backend's
+        (msg,) = t.agreed.conflicts_for(backend)
+        assert msg == ("STREAMCOLL_SIGNATURE_CHECKS: rank 0: '16' (set by the user); ranks 1, 2: '256' "
+                       "(streamcoll's default)"), msg
+    t = topo({1: {"STREAMCOLL_DEBUG_CHECKS": ("1", "TORCH_DISTRIBUTED_DEBUG=DETAIL")}})
+    (msg,) = t.agreed.conflicts_for("nccl")
+    assert "rank 1: '1' (TORCH_DISTRIBUTED_DEBUG=DETAIL)" in msg and "ranks 0, 2: '0'" in msg, msg
+    # One effective value reached by different spellings is no conflict; the agreed values are
+    # the layout's, kept by sub-groups derived from it (their communicators run with them).
+    t = topo({0: {"STREAMCOLL_DEBUG_CHECKS": ("1", env.USER)},
+              1: {"STREAMCOLL_DEBUG_CHECKS": ("1", "TORCH_DISTRIBUTED_DEBUG=DETAIL")},
+              2: {"STREAMCOLL_DEBUG_CHECKS": ("1", env.USER), "STREAMCOLL_WIDEN_BF16": ("1", env.USER)}})
+    assert not t.agreed.conflicts, t.agreed.conflicts
+    want = {"STREAMCOLL_WIDEN_BF16": "1", "STREAMCOLL_SIGNATURE_CHECKS": "256", "STREAMCOLL_DEBUG_CHECKS": "1"}
+    assert t.agreed.own == want and t.subgroup([0, 2], 1).agreed.own == want
+    import json
+    assert env.Agreed.from_json(json.loads(json.dumps(t.agreed.to_json()))) == t.agreed
+
+
+def test_own_settings_as_a_rank_reads_them(monkeypatch):
+    """What a rank reports: the effective value (so `true` and `1`, or
+    TORCH_DISTRIBUTED_DEBUG=DETAIL and STREAMCOLL_DEBUG_CHECKS=1, agree) and
+    where it comes from; a malformed bound travels as it is (every rank
+    then refuses together, before the native init) instead of raising on
+    one rank only, which would leave the others waiting for it."""
+    for k in ("STREAMCOLL_WIDEN_BF16", "STREAMCOLL_SIGNATURE_CHECKS", "STREAMCOLL_DEBUG_CHECKS",
+              "TORCH_DISTRIBUTED_DEBUG"):
+        monkeypatch.delenv(k, raising=False)
+    assert env.own() == _OWN_DEFAULTS
+    monkeypatch.setenv("STREAMCOLL_WIDEN_BF16", "off")
+    monkeypatch.setenv("STREAMCOLL_SIGNATURE_CHECKS", " 064")
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "detail")
+    assert env.own() == (("STREAMCOLL_WIDEN_BF16", "0", env.USER), ("STREAMCOLL_SIGNATURE_CHECKS", "64", env.USER),
+                         ("STREAMCOLL_DEBUG_CHECKS", "1", "TORCH_DISTRIBUTED_DEBUG=DETAIL"))
+    assert dict((k, v) for k, v, _ in topology.local_facts(0).own) == {
+        "STREAMCOLL_WIDEN_BF16": "0", "STREAMCOLL_SIGNATURE_CHECKS": "64", "STREAMCOLL_DEBUG_CHECKS": "1"}
+    monkeypatch.setenv("STREAMCOLL_SIGNATURE_CHECKS", "-1")
+    (_, (name, value, source), _) = env.own()
+    assert (name, value) == ("STREAMCOLL_SIGNATURE_CHECKS", "-1") and "expected an integer >= 0" in source
+    with pytest.raises(ValueError, match="STREAMCOLL_SIGNATURE_CHECKS: expected an integer >= 0, got -1"):
+        env.check_own({"STREAMCOLL_SIGNATURE_CHECKS": "-1"})
