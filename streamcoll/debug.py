@@ -462,26 +462,41 @@ class Signatures:
         a = dict(zip(s.param_names, args))
         key = (name,) + tuple((k, _coarse(k, a.get(k), True)) for k in exact) + \
             tuple((k, _coarse(k, a.get(k), False)) for k in loose)
-        if cross:  # all-to-all: what this rank sends to, and expects from, each rank
-            c = _counts(cross, a, self.comm._size)
-            key += (("_counts", None if c is None else (tuple(c[0]), tuple(c[1]))),)
+        if cross == "single":
+            # all-to-all: the counts differ between ranks by design where splits are given (what
+            # each rank sends and expects is cross-checked, :meth:`_check`, not keyed: a key must
+            # be new or seen on every rank alike); even, every rank's element counts are equal
+            even = a.get("input_split_sizes") is None and a.get("output_split_sizes") is None
+            key += (("_even", (_numel(a.get("input")), _numel(a.get("output"))) if even else None),)
         return key
+
+    def _cross(self, name: str, args: tuple) -> Any:
+        """All-to-all: (sent to each rank, expected from each rank) of this
+        call, cross-checked between the ranks by a check (else None)."""
+        cross = _ARGS[name][2]
+        if not cross:
+            return None
+        c = _counts(cross, dict(zip(spec.TABLE[name].param_names, args)), self.comm._size)
+        return None if c is None else [list(c[0]), list(c[1])]
 
     def _due(self, key: tuple) -> bool:
         """Whether a call of ``key`` is checked now (where it runs)."""
         return key not in self.seen and len(self.seen) < self.bound
 
-    def _check(self, name: str, key: tuple, store: Any = None, seq: Optional[int] = None,
+    def _check(self, name: str, key: tuple, counts: Any, store: Any = None, seq: Optional[int] = None,
                poll: bool = False) -> None:
         """Number and run the check of ``key`` (where its call runs, in issue
-        order); ``seen`` takes it once it passed on every rank."""
+        order); ``seen`` takes it once it passed on every rank. ``counts``:
+        all-to-all's, cross-checked (:meth:`_cross`)."""
         ch = self._checker
         if ch is None:
             # created at the first check, not with the communicator: creating one costs no store request
             ch = self._checker = _Checker(self.comm, prefix="sig", label="first-call check")
         fp: Dict[str, Any] = {"call": name}
         for k, v in key[1:]:
-            fp[k] = _shown(v) if k != "_counts" else (None if v is None else [list(v[0]), list(v[1])])
+            fp[k] = _shown(v) if not isinstance(v, tuple) or k != "_even" else list(v)
+        if counts is not None:
+            fp["_counts"] = counts
         self.checks += 1
         ch.n += 1
         ch.check(name, fp, ch.n, store, seq, poll)
@@ -523,6 +538,7 @@ class Signatures:
         key = self._key(name, args)
         if key is None or not self._due(key):
             return  # passed on every rank (it is in seen), or past the bound: no rank checks it
+        counts = self._cross(name, args)
         coalescing = comm._coalescing is not None
         if async_op is True and plan is not None and not coalescing:
             fn = plan.fn
@@ -531,7 +547,7 @@ class Signatures:
 
             def checked(*a: Any) -> Any:
                 if self._due(key):  # decided in issue order: a pending check of key has run by now
-                    self._check(name, key, st, seq, poll)
+                    self._check(name, key, counts, st, seq, poll)
                 return fn(*a)
 
             plan.fn = checked
@@ -545,7 +561,7 @@ class Signatures:
             rt.drain()
             if not self._due(key) or not comm._usable:
                 return
-        self._check(name, key)
+        self._check(name, key, counts)
 
     def first_fast(self, fk: tuple, s: Any, args: tuple, async_op: bool = False) -> bool:
         """A fast path's key ``fk`` missed: check the signature (a
@@ -553,7 +569,7 @@ class Signatures:
         False for an async call of a signature not known to have passed: the
         fast path hands it to the general method, which checks it right
         before its C call."""
-        if async_op and s.name in _FIRST and self.comm._usable and self._due(self._key(s.name, args)):
+        if async_op and s.name in _FIRST and self.comm._usable and self._due(self._key(s.name, args)):  # type: ignore[arg-type]
             return False
         self.first(s, args)
         if len(self.fast) < FAST_KEYS_MAX:  # past it (sizes without end), a new size costs a frame, no growth

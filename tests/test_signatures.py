@@ -333,9 +333,12 @@ def test_check_state_is_the_same_on_every_rank_after_the_same_calls():
 
 # -------------------------------------------------- all-to-all counts (finding 4)
 def _a2a_mismatch(comm, case, n0):
+    """On a new communicator (its first all-to-all: checked whatever the
+    pooled one saw before)."""
     r = comm.rank
     size = comm.size
     res = {}
+    pooled, comm = comm, comm.split(0)
     try:
         if case == "single_even":
             n = n0 * size * (2 if r == 1 else 1)
@@ -356,6 +359,17 @@ def _a2a_mismatch(comm, case, n0):
     u = torch.full((3,), float(r + 1))
     comm.all_reduce(u)
     res["after"] = u.tolist()
+    # the same uneven exchange, consistent now (counts differ between ranks by design): it goes through
+    sends = [[1, 2], [3, 0]] if size == 2 else None
+    if sends is not None:
+        ins = sends[r]
+        outs = [sends[j][r] for j in range(size)]
+        inp = torch.full((sum(ins),), float(r + 1))
+        out = torch.zeros(sum(outs))
+        comm.all_to_all_single(out, inp, outs, ins)
+        res["uneven"] = out.tolist()
+    comm.destroy()
+    pooled.barrier()
     return res
 
 
@@ -367,6 +381,7 @@ def test_all_to_all_count_mismatch_raises_on_every_rank(case, n0):
         assert x["raised"] == "MismatchError" and "first-call check" in x["message"], (r, res)
         assert "counts disagree" in x["message"] or "instead of" in x["message"], (r, res)
         assert x["after"] == [3.0] * 3, (r, res)
+    assert res[0]["uneven"] == [1.0, 2.0, 2.0, 2.0] and res[1]["uneven"] == [1.0, 1.0], res
 
 
 # ------------------------------------------------ store keys (finding 6)
