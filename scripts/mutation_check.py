@@ -79,7 +79,8 @@ OWN_TEST: Dict[str, Tuple[str, ...]] = {
 # also what the flight record names (an async entry's tensors, a running
 # synchronous call's), which a CPU test can read; run first (``-x``).
 KEEP_TEST: Dict[str, Tuple[str, ...]] = {
-    "scatter": ("tests/test_scatter_keep.py::test_every_rank_s_flight_record_names_the_tensors_of_its_scatter",),
+    "scatter": ("tests/test_plan_keep.py::test_every_rank_s_flight_record_names_the_tensors_of_its_scatter",),
+    "all_gather": ("tests/test_plan_keep.py::test_an_async_all_gather_keeps_a_temporary_input_alive",),
 }
 
 FIXED: List[Mutation] = [

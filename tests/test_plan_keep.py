@@ -1,4 +1,4 @@
-"""What a scatter's plan keeps (``Plan.keep``, streamcoll.spec): the tensors
+"""What a plan keeps (``Plan.keep``, streamcoll.spec): the tensors a scatter
 the call uses, on every rank, root or not.
 
 ``Plan.keep`` has two roles. Lifetime: on a GPU the Work, the Reaper or
@@ -91,3 +91,29 @@ def test_every_rank_s_flight_record_names_the_tensors_of_its_scatter(world2):
     e = res[1]["running"]
     assert e is not None and e["op"] == "scatter" and e["state"] == "running", e
     assert e["shapes"] == [[N]] and e["dtypes"] == ["float32"], e
+
+
+# ------------------------------------- all_gather: the input's lifetime
+def _temporary_input(comm: Any) -> Dict[str, Any]:
+    """An async all_gather of a temporary input (nothing but the call holds
+    it after the issue), its memory handed out again at once and
+    overwritten, the peer 50 ms late: the call must still send the input's
+    values. The queued item holds the plan, whose C arguments are bare
+    pointers; ``Plan.keep`` is what holds the input (seen failing with the
+    mutation check's ``all_gather: keep-alive skipped``: rank 0's slot
+    gathered -7s)."""
+    r, n = comm.rank, 4096  # 16 KB: queued quietly, its C call at most 1 ms after the issue
+    outs = [torch.zeros(n) for _ in range(comm.size)]
+    if r == 1:
+        time.sleep(0.05)
+    w = comm.all_gather(outs, torch.full((n,), float(r + 1)), async_op=True)
+    junk = [torch.full((n,), -7.0) for _ in range(32)]  # the freed input's memory, reused and overwritten
+    w.wait()
+    del junk
+    return {"got": [sorted(set(o.tolist())) for o in outs]}
+
+
+def test_an_async_all_gather_keeps_a_temporary_input_alive(world2):
+    res = world2.run(_temporary_input, timeout=60)
+    for r, x in enumerate(res):
+        assert x["got"] == [[1.0], [2.0]], (r, res)
