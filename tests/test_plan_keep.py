@@ -1,5 +1,6 @@
-"""What a plan keeps (``Plan.keep``, streamcoll.spec): the tensors a scatter
-the call uses, on every rank, root or not.
+"""What a plan keeps (``Plan.keep``, streamcoll.spec): the tensors the call
+uses, on every rank, root or not (a scatter's, below; an all_gather's input
+at the end).
 
 ``Plan.keep`` has two roles. Lifetime: on a GPU the Work, the Reaper or
 ``record_stream`` hold these tensors until the comm stream is done with
