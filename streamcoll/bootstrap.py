@@ -76,6 +76,9 @@ def _native_entry(backend: str, settings: Dict[str, str]) -> Iterator[None]:
             yield
             return
         shm_regions.before_first_init()  # the exit hook for libfabric's /dev/shm regions, stale ones swept
+        from .backends import get_backend
+        with native_entry(), quiet_oneccl_startup():
+            get_backend(backend).lib()  # loading installs oneCCL's handlers: Python's back before a call that waits
         with native_entry(), quiet_oneccl_startup():
             yield
 

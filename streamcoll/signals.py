@@ -2,18 +2,20 @@
 oneCCL's, and a terminating signal ends the process wherever the main thread
 stands.
 
-Measured (oneCCL 2022.2, CPU): the first ``onecclGetUniqueId`` or
-``onecclCommInitRank`` of a process installs native handlers for SIGINT,
-SIGTERM, SIGSEGV, SIGBUS, SIGILL and SIGABRT (``SigCgt`` in
-``/proc/<pid>/status``). For SIGINT and SIGTERM its handler ends the process
-with exit status 1 and no message: no ``KeyboardInterrupt``, no ``finally``,
-no ``atexit``, and a launcher cannot tell a Ctrl-C from a crash. For the
+Measured (oneCCL 2022.2, CPU): loading the library (the bootstrap does it
+before the process's first ``onecclGetUniqueId`` or ``onecclCommInitRank``)
+installs native handlers for SIGINT, SIGTERM, SIGSEGV, SIGBUS, SIGILL and
+SIGABRT (``SigCgt`` in ``/proc/<pid>/status``). For SIGINT and SIGTERM its
+handler ends the process with exit status 1 and no message: no
+``KeyboardInterrupt``, no ``finally``, no ``atexit``, and a launcher cannot
+tell a Ctrl-C from a crash. For the
 fatal signals it prints ``<prog>:<pid> terminated with signal N at PC=...``
 and a native backtrace, which is worth keeping for a crash inside the
 library.
 
-So :func:`native_entry` (around those calls) puts back, after the call, the
-handlers Python had for SIGINT and SIGTERM before it (Ctrl-C raises
+So :func:`native_entry` (around the load, then around each of those calls,
+which may wait long for the peers: a rank's first init) puts back, after
+it, the handlers Python had for SIGINT and SIGTERM before it (Ctrl-C raises
 ``KeyboardInterrupt``; a default SIGTERM becomes
 :func:`streamcoll.shm_regions.disposition`'s stand-in, which removes this
 process's ``/dev/shm`` regions, then dies of the signal), gives a default
@@ -50,19 +52,27 @@ there; no cost on the call path) and acts by whose handler the signal has:
   ``finally`` and ``atexit``). Back means: the stand-in started, the main
   thread's frame moved, or a probe queued with ``Py_AddPendingCall`` ran
   (CPython runs pending calls in the main thread at the same eval-breaker
-  check as signal handlers, after them). If not, or if a second terminating
-  signal arrives first, it logs where the main thread stands (inside
-  streamcoll's call: the call, and the peers as the likely cause; anywhere
-  else: the file, line and function, blaming nobody), removes this
-  process's regions and ends the process **by the signal itself**: the C
-  disposition is reset to the default through ``signal()`` (the C call,
-  reached with cffi's ABI mode: Python's ``signal.signal`` works only in
-  the main thread), then the signal is sent to the watcher's own thread.
+  check as signal handlers, after them); each look comes after a pause
+  that gives the main thread the GIL (a main thread running Python holds
+  it, and runs the handler at its next check). If not, or if a second
+  terminating signal arrives first (at least :data:`_SECOND_AFTER_S` after
+  the first: two sent at once, a terminal's Ctrl-C to the process group and
+  torchrun's forwarded one, are two KeyboardInterrupts for a main thread in
+  Python), it removes this process's regions, logs where the main thread
+  stands (inside streamcoll's call: the call, and the peers as the likely
+  cause; anywhere else: the file, line and function, blaming nobody) and
+  ends the process **by the signal itself**: the C disposition is reset
+  to the default through ``signal()`` (the C call, reached with cffi's ABI
+  mode: Python's ``signal.signal`` works only in the main thread), then the
+  signal is sent to the watcher's own thread.
   A parent sees what it would without streamcoll: killed by SIGTERM (-15
   in :mod:`subprocess`, 143 in a shell), by SIGINT (Python's own exit on an
   uncaught ``KeyboardInterrupt``), by SIGHUP, wherever the main thread was.
   No ``finally`` or ``atexit`` runs: the teardown would crash under the
-  stuck call.
+  stuck call. The end is armed before the message (:data:`END_BOUND_S`):
+  a write to a full stderr pipe, or a logging lock the stuck main thread
+  holds, cannot keep the process alive; so is it when the stand-in runs
+  (its region removal may log to that stderr).
 
 Where the watcher cannot run, the stand-ins are not installed: a default
 SIGTERM or SIGHUP stays the kernel's, which ends the process at once
@@ -99,10 +109,14 @@ log = logging.getLogger("streamcoll.signals")
 
 INTERRUPT_GRACE_S = 1.0
 TERMINATE_GRACE_S = 0.25
+END_BOUND_S = 1.0   # once the end is decided (or the stand-in runs), the process is gone within this
 _KEPT = (signal.SIGINT, signal.SIGTERM)          # oneCCL replaces these: put Python's back
 _STAND_IN_TOO = (signal.SIGHUP,)                 # nobody replaces it; its default gets the stand-in
 _TERMINATING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _POLL_S = 0.01
+_SECOND_AFTER_S = 0.1   # a second signal ends a stuck call only this long after the first: two sent at
+                        # once (a terminal's Ctrl-C to the process group, then torchrun's) to a main
+                        # thread in Python are two KeyboardInterrupts, not a stuck call
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _WATCH_LOCK = threading.Lock()
 _WATCH: Dict[str, Any] = {}
@@ -341,6 +355,7 @@ def _on_signal(rfd: int, signum: int, main_ident: Optional[int], backlog: Deque[
     frame = _main_frame(main_ident)
     where = (frame, frame.f_lasti if frame is not None else -1)
     seen = time.monotonic()
+    certain = shm_regions.stands_for_default(signal.getsignal(signum))  # its handler only ends the process
     native = _WATCH.get("native")
     if native is not None:
         try:
@@ -353,13 +368,9 @@ def _on_signal(rfd: int, signum: int, main_ident: Optional[int], backlog: Deque[
     os.set_blocking(rfd, False)
     try:
         while True:
-            if shm_regions.ending(signum):
-                return  # the stand-in runs in the main thread: it ends the process itself
-            f = _main_frame(main_ident)
-            if f is not where[0] or (f is not None and f.f_lasti != where[1]):
-                return  # the main thread moved: Python ran the handler (KeyboardInterrupt, or the stand-in)
-            if native is not None and native.ran > seen:
-                return  # back in the interpreter, the handler ran first
+            # First the main thread's turn: it holds the GIL while it runs Python, and runs the
+            # handler (and the probe) at its next check; a look before that sees it "stuck".
+            time.sleep(_POLL_S)
             try:
                 more = os.read(rfd, 64)
             except BlockingIOError:
@@ -369,9 +380,19 @@ def _on_signal(rfd: int, signum: int, main_ident: Optional[int], backlog: Deque[
                     then = s
                 else:
                     backlog.append(s)
-            if then is not None or time.monotonic() >= deadline:
+            back = shm_regions.ending(signum)  # the stand-in runs in the main thread: it ends the process
+            f = _main_frame(main_ident)
+            back = back or f is not where[0] or (f is not None and f.f_lasti != where[1])  # it moved
+            back = back or (native is not None and native.ran > seen)  # back in the interpreter, after the handler
+            if back:
+                if then is not None:
+                    backlog.appendleft(then)  # a signal of its own, for Python's handler as well
+                if certain:  # the stand-in ends the process: even if its removal's log line blocks
+                    _end_anyway(signum)
+                return
+            now = time.monotonic()
+            if (then is not None and now >= seen + _SECOND_AFTER_S) or now >= deadline:
                 break
-            time.sleep(_POLL_S)
     finally:
         os.set_blocking(rfd, True)
     _end(signum, frame, grace, then)
@@ -412,19 +433,30 @@ def _where(frame: Any) -> str:
 
 def _end(signum: int, frame: Any, grace: float, then: Optional[int]) -> None:
     """Say where the main thread stands, remove the regions, die of ``signum``
-    (whatever the message does)."""
+    (whatever the message does: a write to a full stderr pipe, or a logging
+    lock the stuck main thread holds, blocks it, so the end is armed first)."""
     name = signal.Signals(signum).name
+    _end_anyway(signum)
+    shm_regions.remove_own(f"on {name}")  # first: no write to stderr at the default log level
     try:
         _tell(signum, name, frame, grace, then)
     except Exception:
         pass
-    shm_regions.remove_own(f"on {name}")
     for s in (sys.stdout, sys.stderr):
         try:
             s.flush()
         except Exception:
             pass
     _die_of(signum)
+
+
+def _end_anyway(signum: int) -> None:
+    """Die of ``signum`` :data:`END_BOUND_S` from now, whatever this thread
+    (or the main thread, in the stand-in) is blocked in by then."""
+    t = threading.Timer(END_BOUND_S, _die_of, (signum,))
+    t.daemon = True
+    t.name = "streamcoll-signals-end"
+    t.start()
 
 
 def _tell(signum: int, name: str, frame: Any, grace: float, then: Optional[int]) -> None:
