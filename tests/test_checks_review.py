@@ -268,6 +268,79 @@ def test_failure_while_a_sync_first_call_drains():
     assert res[0]["raised"] is not None and res[0]["s"] < 8, res
 
 
+# ------------------------- the quiet call's deadline, from the peers' side
+def _gil_busy(seconds):
+    """A C call that holds the GIL throughout (no eval-breaker point):
+    sorting a list of floats, sized to about ``seconds`` (a pickle of a big
+    state dict, json.dumps, a C extension that keeps the GIL)."""
+    import random
+    n = 200_000
+    xs = [random.random() for _ in range(n)]
+    t0 = time.monotonic()
+    sorted(xs)
+    one = max(time.monotonic() - t0, 1e-4)
+    big = [random.random() for _ in range(int(n * seconds / one))]
+    return big
+
+
+def _peer_behind_gil(comm, port, reps, inline):
+    from datetime import timedelta
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
+                            world_size=comm.size, timeout=timedelta(seconds=30))
+    old = comm.inline_async_bytes
+    if inline is not None:
+        comm.inline_async_bytes = inline
+    big = _gil_busy(0.3) if comm.rank == 0 else None
+    out = {}
+    try:
+        for name, issue in (("gloo", lambda t: dist.all_reduce(t, async_op=True)),
+                            ("streamcoll", lambda t: comm.all_reduce(t, async_op=True))):
+            runs = []
+            for _ in range(reps):
+                t = torch.ones(4)
+                dist.barrier()
+                if comm.rank == 0:
+                    w = issue(t)
+                    t1 = time.monotonic()
+                    sorted(big)  # holds the GIL
+                    busy = time.monotonic() - t1
+                    w.wait()
+                    runs.append(busy)
+                else:
+                    time.sleep(0.02)
+                    t0 = time.monotonic()
+                    issue(t).wait()
+                    runs.append(time.monotonic() - t0)
+            out[name] = sorted(runs)
+        dist.barrier()
+        time.sleep(0.1)
+    finally:
+        comm.inline_async_bytes = old
+        dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.xfail(strict=True, reason="a Python comm thread cannot start a call while the issuer's C call "
+                   "keeps the GIL: the limit work.py states (this test failed on `checks`, whose work.py "
+                   "promised the deadline whatever the issuer does)")
+def test_peer_wait_behind_an_issuer_in_a_gil_holding_c_call():
+    """work.py: 'in flight within 1 ms of being issued (plus ... at most the
+    interpreter's switch interval, 5 ms)', 'whatever its issuer does
+    meanwhile (Python code, a sleep, another library's C call ...)'. An
+    issuer inside a C call that keeps the GIL (0.3 s here) holds the comm
+    thread off the GIL: the peer waits the whole call (gloo: milliseconds).
+    Measured on ``checks``: 0.50-0.96 s (median 0.93) against gloo's 0.6-9 ms; with
+    ``inline_async_bytes = 0`` 0.0005/0.43/0.43 s (the comm thread, woken at
+    issue, sometimes takes the GIL before the sort starts)."""
+    from world import free_port
+    w = get_world(2)
+    res = w.run(_peer_behind_gil, free_port(), 3, None, timeout=120)
+    r1 = res[1]
+    gloo, sc = r1["gloo"][1], r1["streamcoll"][1]
+    assert sc <= gloo + 0.010, (res)
+
+
 def _quiet_stress(comm, iters, seed):
     """Rank 0 issues a small async call, then waits a random 0-3 ms (asleep:
     the comm thread's deadline pickup, its idle/armed switch and run_here
@@ -466,3 +539,44 @@ def test_deferred_check_connections_are_closed():
     res = w.run(_fds_after_cycles, 40, 5901, timeout=120)
     for x in res:
         assert x["after"] - x["before"] < 10, res
+
+
+def _sync_behind_quiet(comm, deadline_s, reps):
+    """A small async call, then at once a synchronous call (or a barrier)
+    on the same communicator, then the wait. work.py: a quiet call starts at
+    "any later call on the same communicator (it is queued behind, and its
+    queueing wakes the comm thread)". With the quiet deadline stretched to
+    ``deadline_s`` the synchronous call must still return in milliseconds."""
+    c = comm.split(0)
+    c._rt.quiet_start_ns = int(deadline_s * 1e9)
+    out = {}
+    try:
+        a, b = torch.ones(4), torch.ones(4)
+        for kind in ("sync", "barrier"):
+            ts = []
+            for _ in range(reps):
+                t0 = time.monotonic()
+                w = c.all_reduce(a, async_op=True)
+                if kind == "sync":
+                    c.all_reduce(b)
+                else:
+                    c.barrier()
+                ts.append(time.monotonic() - t0)
+                w.wait()
+            out[kind] = max(ts)
+        out["a"], out["b"] = a[0].item(), b[0].item()
+    finally:
+        c.destroy()
+    return out
+
+
+def test_a_sync_call_starts_the_quiet_call_queued_before_it():
+    """Found on ``checks``: the comm thread, woken by the synchronous call's
+    queueing, finds the quiet call at the head and waits for its deadline
+    (1 ms; here stretched to 2 s: 0.50 s, a watchdog pass, started it):
+    async-then-sync of 4 floats on one communicator took 1.23 ms a step
+    against 81-97 us on the old tree."""
+    w = get_world(2)
+    res = w.run(_sync_behind_quiet, 2.0, 3, timeout=120)
+    for x in res:
+        assert x["sync"] < 0.2 and x["barrier"] < 0.2, res
