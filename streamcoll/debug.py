@@ -323,11 +323,16 @@ def _poll_wait(store: Any, keys: List[str], timeout: float) -> None:
 
 
 def release(comm: Any) -> None:
-    """Called by ``Communicator.destroy``: the store keys its checks left."""
-    for ch in (getattr(getattr(comm, "_sig", None), "_checker", None), getattr(comm, "_debug", None),
-               getattr(getattr(getattr(comm, "_debug", None), "sig", None), "_checker", None)):
+    """Called by ``Communicator.destroy``: the store keys its checks left,
+    and the deferred checks' own store connection (closed now, not when the
+    garbage collector gets to the communicator's reference cycle)."""
+    dbg = getattr(comm, "_debug", None)
+    sigs = [s for s in (getattr(comm, "_sig", None), getattr(dbg, "sig", None)) if s is not None]
+    for ch in [s._checker for s in sigs] + [dbg]:
         if ch is not None:
             ch.release()
+    for s in sigs:
+        s._async_store = None
 
 
 def enable(comm: Any) -> None:
@@ -347,12 +352,14 @@ def enable(comm: Any) -> None:
 
 
 def disable(comm: Any) -> None:
-    """Turn the checks off for ``comm``."""
+    """Turn the checks off for ``comm`` (every rank, as :func:`enable`:
+    the last rank to do so removes the last check's keys from the store)."""
     ch = getattr(comm, "_debug", None)
     if ch is None:
         return
     ch.handle.remove()
     comm._debug = None
+    ch.release()  # its last check's keys: removed by the last rank to turn it off (as at destroy)
     if ch.sig is not None:
         comm._sig = ch.sig
         comm._build_fast_paths()  # with their first-call check again
@@ -416,8 +423,10 @@ _FIRST = frozenset(n for n in _ARGS if n not in ("split", "barrier"))
 
 class Signatures:
     """The default check: each distinct call signature (the collective,
-    each tensor's element count and dtype, the reduction, the root, and for
-    all-to-all what each rank sends to and expects from each other) is
+    each tensor's element count and dtype, the reduction, the root; for an
+    even all-to-all its element counts, for an uneven one (split sizes
+    given) nothing of its counts, each rank's own: what each rank sends to
+    and expects from each other is cross-checked by the check, not keyed) is
     checked across ranks the first time this communicator sees it, through
     the store exactly as debug mode checks every call (a mismatch raises
     :class:`~streamcoll.MismatchError` on every rank before any C call),
@@ -444,8 +453,9 @@ class Signatures:
     seen before (it goes on into the library while the other waits for it
     in the store and raises CollectiveTimeout naming it after the timeout;
     debug mode catches it), different shapes of equal element counts (the
-    results are the same), different contents, point-to-point calls, and
-    signatures past the bound."""
+    results are the same), different contents, inconsistent counts of an
+    uneven all-to-all after its signature's first call, point-to-point
+    calls, and signatures past the bound."""
 
     def __init__(self, comm: Any, bound: int) -> None:
         self.comm = comm

@@ -346,6 +346,10 @@ class CpuRuntime(Runtime):
                 if self._idle:
                     self._work_cv.notify()
             else:
+                if self._queue:
+                    # quiet calls queued before it start now, not at their deadline: it runs
+                    # behind them (a synchronous call waits for it; its peers for both)
+                    self._hurry = True
                 self._work_cv.notify()
             n = self._pending  # changed only under _mutex
             ts = self.turnstile

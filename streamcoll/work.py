@@ -38,7 +38,8 @@ thread without waking it for each call (a wake-up and the hand-back cost
   waits for its turn behind it (``Turnstile.wait`` wakes it), destroy;
 - its deadline, ``streams.QUIET_START_NS`` (1 ms) after it was issued: the
   comm thread starts it then, whatever its issuer does meanwhile (Python
-  code, a sleep, another library's C call, a store wait). The comm thread
+  code, a sleep, another library's C call that releases the GIL, a store
+  wait; not a C call that keeps the GIL: below). The comm thread
   keeps that deadline without a wake-up per call: an idle one is woken by
   the first quiet call, then looks at the queue at least every 1 ms while
   quiet calls keep coming, and goes idle after a quiet millisecond.
@@ -46,7 +47,14 @@ thread without waking it for each call (a wake-up and the hand-back cost
 The rule, from the peers' side: an ``async_op=True`` call is in flight
 within 1 ms of being issued (plus the time the comm thread waits for the
 GIL while the issuer runs Python: at most the interpreter's switch interval,
-5 ms), on every path. A peer that issued the call later and waits for it
+5 ms), on every path. The comm thread is a Python thread: while the issuer
+is inside a C call that keeps the GIL (``sorted`` of a long list, a pickle
+or ``json.dumps`` of a large object, a C extension that does not release
+it), nothing starts the call until that C call returns, and the peers wait
+that long (gloo's own threads need no GIL: 0.6-9 ms against 0.43-0.96 s
+behind a 0.3-0.5 s sort; ``inline_async_bytes = 0`` the same, unless the comm
+thread took the GIL before the issuer entered the C call;
+``tests/test_checks_review.py``). A peer that issued the call later and waits for it
 waits as it would on gloo (``tests/test_async_contract.py``: 0.2-0.6 ms
 behind an issuer busy for 0.3 s, gloo 0.5-3 ms in the same run; before,
 until the issuer's wait or a watchdog pass, 170-480 ms). The cost to the
