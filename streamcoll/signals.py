@@ -68,6 +68,14 @@ there; no cost on the call path) and acts by whose handler the signal has:
   A parent sees what it would without streamcoll: killed by SIGTERM (-15
   in :mod:`subprocess`, 143 in a shell), by SIGINT (Python's own exit on an
   uncaught ``KeyboardInterrupt``), by SIGHUP, wherever the main thread was.
+  One exception: a single SIGINT while the main thread is in someone
+  else's native call (a gloo barrier, a long torch op) only warns: that
+  call may still return, and a program may catch the KeyboardInterrupt then
+  (a REPL, a notebook, a loop that saves and goes on); a second SIGINT
+  while the main thread is still there ends the process. Inside
+  streamcoll's own call (a collective that cannot be interrupted) one
+  SIGINT ends it after the grace, as before. A launcher's SIGTERM always
+  ends it.
   No ``finally`` or ``atexit`` runs: the teardown would crash under the
   stuck call. The end is armed before the message (:data:`END_BOUND_S`):
   a write to a full stderr pipe, or a logging lock the stuck main thread
@@ -82,8 +90,11 @@ whose event loop owns the wakeup fd at init (asyncio's
 ``add_signal_handler``; :func:`asyncio.run` alone does not take it): the
 loop keeps it and the watcher stays off. A loop that takes the fd after
 init takes it from the watcher, which then sees no signal: SIGTERM's
-stand-in runs when the main thread returns to the interpreter (such a
-program handles its signals through the loop anyway). A forked child (a
+stand-in runs when the main thread returns to the interpreter; and once
+such a loop is closed (it sets the fd to -1), the watcher stays blind: a
+SIGTERM while the main thread is in a native call then waits for that call
+to return (a known limit: ``tests/test_signals_review.py``, a strict
+xfail). A forked child (a
 DataLoader worker) has no watcher thread: it gets the plain defaults back
 (:func:`_after_fork_in_child`).
 """
@@ -357,6 +368,11 @@ def _on_signal(rfd: int, signum: int, main_ident: Optional[int], backlog: Deque[
     seen = time.monotonic()
     certain = shm_regions.stands_for_default(signal.getsignal(signum))  # its handler only ends the process
     native = _WATCH.get("native")
+    warned = _WATCH.pop("warned", None)
+    if (signum == signal.SIGINT and warned is not None and warned[0] is frame and warned[1] == where[1]
+            and (native is None or native.ran <= warned[2])):
+        _end(signum, frame, INTERRUPT_GRACE_S, signum)  # Ctrl-C again, the main thread still in that call
+        return
     if native is not None:
         try:
             native.ask()
@@ -395,6 +411,18 @@ def _on_signal(rfd: int, signum: int, main_ident: Optional[int], backlog: Deque[
                 break
     finally:
         os.set_blocking(rfd, True)
+    if signum == signal.SIGINT and then is None and not _in_streamcoll(frame):
+        # Someone else's native call (a gloo barrier, a long torch op): it may still return, and
+        # a program may catch the KeyboardInterrupt Python raises then (a REPL, a notebook, a
+        # loop that saves and goes on). Not ended on one Ctrl-C: a second one ends it.
+        _WATCH["warned"] = (where[0], where[1], time.monotonic())
+        try:
+            log.warning("streamcoll: SIGINT received while the main thread is inside a native call that has not "
+                        "returned within %g s: %s. Python raises KeyboardInterrupt when it returns; press Ctrl-C "
+                        "again (SIGINT) to end the process now.", grace, _where(frame))
+        except Exception:
+            pass
+        return
     _end(signum, frame, grace, then)
 
 

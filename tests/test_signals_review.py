@@ -329,6 +329,8 @@ if __name__ != "__main__":
         assert ranks.procs[0].returncode == -signal.SIGTERM, info
         assert res["regions"] and not [p for p in res["regions"] if os.path.exists(p)], res
 
+    @pytest.mark.xfail(strict=True, reason="known limit (streamcoll/signals.py): an event loop closed after "
+                       "init leaves the wakeup fd at -1 and the watcher blind; Python offers no way to see it")
     def test_sigterm_ends_the_rank_after_an_event_loop_released_the_wakeup_fd(tmp_path):
         """After init the program runs an asyncio loop with a signal handler
         (``asyncio.run``, ``add_signal_handler(SIGUSR1)``); closing the loop

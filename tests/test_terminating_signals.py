@@ -226,12 +226,22 @@ if __name__ != "__main__":
         streamcoll: a parent sees -15, not an exit code), its /dev/shm
         regions removed first."""
         ranks = Ranks(where, tmp_path)
+        first_alive = None
         try:
             res = _enter(ranks)
+            if signum == signal.SIGINT and where != "oneccl":
+                # someone else's native call: one Ctrl-C warns (the call may return, and the program
+                # may catch the KeyboardInterrupt), a second one ends it
+                os.kill(ranks.procs[0].pid, signum)
+                time.sleep(1.5)
+                first_alive = ranks.procs[0].poll() is None
             took = ranks.signal_and_time(0, signum)
         finally:
             ranks.kill()
         info = ranks.describe()
+        if first_alive is not None:
+            assert first_alive, info
+            assert "press Ctrl-C again" in ranks.text("stderr0"), info
         assert took is not None, f"alive 10 s after {signal.Signals(signum).name}\n{info}"
         assert took < BOUND_S, (took, info)
         assert ranks.procs[0].returncode == -signum, info
