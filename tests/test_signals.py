@@ -29,19 +29,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
+from signal_ranks import record  # noqa: E402
 from world import Processes  # noqa: E402
 
 
+
 def _out(name: str, data: dict) -> None:
-    path = os.path.join(os.environ["SIGNALS_OUT"], name)
-    old = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
-    old.update(data)
-    with open(path + ".tmp", "w") as f:
-        json.dump(old, f)
-    os.replace(path + ".tmp", path)
+    record(data, name)
 
 
 def _caught() -> List[str]:
@@ -131,16 +125,6 @@ if __name__ != "__main__":
             super().__init__(str(tmp))
             self.start_ranks([sys.executable, __file__, scenario], size, dict(env or {}, SIGNALS_OUT=self.dir))
 
-        def until(self, r: int, key: str, timeout: float = 90) -> float:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                v = self.result(r).get(key)
-                if v is not None:
-                    return v
-                if self.procs[r].poll() is not None:
-                    break
-                time.sleep(0.05)
-            raise AssertionError(f"rank {r} never wrote {key!r}\n{self.describe()}")
 
         def wait(self, r: int, timeout: float) -> Optional[float]:
             """Seconds until rank ``r`` ended (None: still running)."""
@@ -151,9 +135,6 @@ if __name__ != "__main__":
                 return None
             return time.monotonic() - t0
 
-        def describe(self) -> str:
-            return "\n".join(f"--- rank {r}: exit {p.returncode}\n{self.text(f'stderr{r}')[-3000:]}"
-                             for r, p in enumerate(self.procs))
 
     def test_ctrl_c_between_calls_raises_keyboard_interrupt(tmp_path):
         """After init, SIGINT raises KeyboardInterrupt with finally and atexit

@@ -24,28 +24,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
+from signal_ranks import own_regions, record  # noqa: E402
 from world import Processes, free_port, rank_env  # noqa: E402
 
 BOUND_S = 2.0
 
 
-def _out(data: dict) -> None:
-    path = os.path.join(os.environ["SIGNALS_OUT"], f"rank{os.environ['RANK']}.json")
-    old = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
-    old.update(data)
-    with open(path + ".tmp", "w") as f:
-        json.dump(old, f)
-    os.replace(path + ".tmp", path)
+_out = record
 
 
-def _regions() -> List[str]:
-    pid = os.getpid()
-    with open("/proc/self/maps") as f:
-        paths = {line.split(None, 5)[5].strip() for line in f if "/dev/shm/" in line}
-    return sorted(p for p in paths if os.path.basename(p).startswith(f"{pid}:"))
+_regions = own_regions
 
 
 def _long_op_seconds(target: float):
@@ -196,20 +184,7 @@ if __name__ != "__main__":
                 os.close(self.pipe_r)
                 self.pipe_r = None
 
-        def until(self, r: int, key: str, timeout: float = 90) -> float:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                v = self.result(r).get(key)
-                if v is not None:
-                    return v
-                if self.procs[r].poll() is not None:
-                    break
-                time.sleep(0.02)
-            raise AssertionError(f"rank {r} never wrote {key!r}\n{self.describe()}")
 
-        def describe(self) -> str:
-            return "\n".join(f"--- rank {r}: exit {p.poll()}\n{self.text(f'stderr{r}')[-3000:]}"
-                             for r, p in enumerate(self.procs))
 
     def _signal(ranks: "Ranks", r: int, signum: int, times: int = 1, gap: float = 0.0,
                 timeout: float = 10) -> Optional[float]:

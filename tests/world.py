@@ -139,6 +139,31 @@ class Processes:
         with open(path) as f:
             return json.load(f)
 
+    def until(self, r: int, key: str, timeout: float = 90, poll: float = 0.02) -> Any:
+        """Rank ``r``'s recorded ``key`` (``rank{r}.json``) once it is there;
+        AssertionError (with :meth:`describe`) if ``r`` ends first or it is
+        not there within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            v = self.result(r).get(key)
+            if v is not None:
+                return v
+            if self.procs[r].poll() is not None:
+                break
+            time.sleep(poll)
+        raise AssertionError(f"rank {r} never wrote {key!r}\n{self.describe()}")
+
+    def describe(self) -> str:
+        """Each rank's exit status and the tail of its ``stderr<r>``."""
+        out = []
+        for r, p in enumerate(self.procs):
+            try:
+                err = self.text(f"stderr{r}")[-3000:]
+            except OSError:
+                err = ""
+            out.append(f"--- rank {r}: exit {p.poll()}\n{err}")
+        return "\n".join(out)
+
 
 class ChildError(AssertionError):
     """An exception raised on a rank, with its traceback."""
