@@ -77,10 +77,11 @@ def _native_entry(backend: str, settings: Dict[str, str]) -> Iterator[None]:
             return
         shm_regions.before_first_init()  # the exit hook for libfabric's /dev/shm regions, stale ones swept
         from .backends import get_backend
-        with native_entry(), quiet_oneccl_startup():
-            get_backend(backend).lib()  # loading installs oneCCL's handlers: Python's back before a call that waits
-        with native_entry(), quiet_oneccl_startup():
-            yield
+        with quiet_oneccl_startup():  # once around both: its start-up line comes at the first call, not the load
+            with native_entry():
+                get_backend(backend).lib()  # loading installs oneCCL's handlers: Python's back before a call that waits
+            with native_entry():
+                yield
 
 
 def group_topology(pg: Any) -> Optional[topology.Topology]:

@@ -108,7 +108,12 @@ def _idle(comm: Any) -> Dict[str, Any]:
         g = w2.get_future()
         inner["done"], inner["main"] = g.done(), threading.get_ident() == main
     main = threading.get_ident()
-    comm.all_reduce(torch.ones(4), async_op=True).get_future().then(cb).wait()
+    # on the callback thread, nothing queued behind it (not through a Work's then(): on a future
+    # that completed before then() is attached, torch runs the callback at once on this thread)
+    from streamcoll import callbacks
+    ran = threading.Event()
+    callbacks.complete(lambda: (cb(None), ran.set()))
+    ran.wait(10)
     out["in a callback"] = inner
     return out
 
