@@ -7,6 +7,8 @@ free loopback port chosen in the parent, and destroys it at the end.
 """
 from __future__ import annotations
 
+import inspect
+
 import time
 from datetime import timedelta
 
@@ -618,6 +620,12 @@ def _barrier_timeout(comm, backend: str, port: int):
         dist.destroy_process_group()
 
 
+# torch 2.13 added dist.barrier(timeout=); before it (2.11, the GPU machine's) only BarrierOptions.timeout
+_BARRIER_TIMEOUT = "timeout" in inspect.signature(dist.barrier).parameters
+
+
+@pytest.mark.skipif(not _BARRIER_TIMEOUT, reason=f"torch {torch.__version__}'s dist.barrier has no timeout= "
+                    "(torch 2.13 added it; gloo refuses the call the same way)")
 def test_barrier_honours_its_timeout_like_gloo(w2):
     gloo = w2.run(_barrier_timeout, "gloo", free_port(), timeout=60)
     sc = w2.run(_barrier_timeout, "streamcoll", free_port(), timeout=60)
@@ -647,7 +655,9 @@ def test_first_barrier_in_a_gpu_job_uses_the_gpu():
         dist.barrier()
         pg = dist.distributed_c10d._get_default_group()
         assert list(pg._comms) == ["cuda"]
-        dist.barrier(timeout=timedelta(seconds=5))
+        opts = dist.BarrierOptions()  # what dist.barrier(timeout=) passes (torch >= 2.13), on every torch
+        opts.timeout = timedelta(seconds=5)
+        pg.barrier(opts).wait()
     finally:
         dist.destroy_process_group()
 

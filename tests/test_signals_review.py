@@ -114,7 +114,7 @@ def _rank(where: str) -> None:
                 op()
         except KeyboardInterrupt:
             caught += 1
-        _out({"op_s": time.time() - t0})
+        _out({"op_s": time.time() - t0, "op_end": time.time()})
     elif where == "kbd_busy":  # Python code that catches every KeyboardInterrupt, for a while
         deadline = time.monotonic() + float(os.environ.get("SIGNALS_LOOP_S", "4"))
         while time.monotonic() < deadline:
@@ -212,19 +212,27 @@ if __name__ != "__main__":
         exit 0. On ``signals`` the watcher ends the process by SIGINT 1 s
         after the Ctrl-C: a Ctrl-C in a REPL or notebook during any native
         call longer than 1 s kills the interpreter."""
-        ranks = Ranks(where, tmp_path, env)
-        try:
-            ranks.until(1, "pid")
-            ranks.until(0, "entering")
-            time.sleep(0.5)
-            took = _signal(ranks, 0, signal.SIGINT, timeout=30)
-        finally:
-            ranks.kill()
-        info = ranks.describe()
-        assert took is not None, info
-        res = ranks.result(0)
+        for attempt in range(3):
+            (tmp_path / str(attempt)).mkdir()
+            ranks = Ranks(where, tmp_path / str(attempt), env)
+            try:
+                ranks.until(1, "pid")
+                ranks.until(0, "entering")
+                time.sleep(0.5)
+                sent = time.time()
+                took = _signal(ranks, 0, signal.SIGINT, timeout=30)
+            finally:
+                ranks.kill()
+            info = ranks.describe()
+            assert took is not None, info
+            res = ranks.result(0)
+            if res.get("op_end", 0) - sent > 1.2:
+                break  # the Ctrl-C came well inside a call that outlasted the watcher's grace
+            # the call ended too soon after the Ctrl-C (sized on a quieter moment): a longer one
+            env = dict(env, SIGNALS_OP_S=str(2 * float(env.get("SIGNALS_OP_S", "3"))))
+        else:
+            raise AssertionError(f"the native call never outlasted the Ctrl-C by the grace: {res}")
         assert ranks.procs[0].returncode == 0 and res.get("caught") == 1, (res, info)
-        assert res["op_s"] > 1.5, res  # the call outlasted the watcher's grace
 
     def test_two_sigints_at_once_to_a_main_thread_in_python_are_two_keyboard_interrupts(tmp_path):
         """Rank 0 runs Python (a loop that catches every KeyboardInterrupt);
