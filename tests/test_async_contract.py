@@ -33,7 +33,7 @@ def _gloo(comm: Any, port: int) -> None:
 def _callback_program(ar: Callable[..., Any], rank: int) -> Dict[str, List[float]]:
     """Finding 2's program (PowerSGD's hook has its shape): two large async
     calls, the first with a slow callback, the second with a callback that
-    all-reduces t1; then (rank 0 0.5 s later) a small async call whose
+    all-reduces t1; then (0.5 s later) a small async call whose
     callback all-reduces t2. In completion order, every rank all-reduces t1
     before t2: t1 = 1 per rank, t2 = 100 per rank. (The callbacks issue and
     do not wait: gloo runs them on its worker threads.)"""
@@ -46,8 +46,11 @@ def _callback_program(ar: Callable[..., Any], rank: int) -> Dict[str, List[float
     issued: List[Any] = []
     f0 = ar(big0).get_future().then(lambda f: time.sleep(1.5))
     f1 = ar(big1).get_future().then(lambda f: issued.append(ar(t1)))
-    if rank == 0:
-        time.sleep(0.5)  # compute between the calls
+    # compute between the calls, on every rank: where one rank issued ``small`` at once, gloo (the
+    # reference) issued t1 from its worker before ``small`` on one rank and after it on the other,
+    # and paired them (seen in CI: rank 0's sums wrong, rank 1 hung). The defect this program
+    # catches is one rank's own order (its small call's callback before t1's), timing aside.
+    time.sleep(0.5)
     f2 = ar(small).get_future().then(lambda f: issued.append(ar(t2)))
     for f in (f0, f1, f2):
         f.wait()
