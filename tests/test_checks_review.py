@@ -211,26 +211,35 @@ def _sync_behind_quiet(comm, deadline_s, reps):
     "any later call on the same communicator (it is queued behind, and its
     queueing wakes the comm thread)". With the quiet deadline stretched to
     ``deadline_s`` the synchronous call must still return in milliseconds."""
+    import faulthandler
+    import tempfile
     c = comm.split(0)
     c._rt.quiet_start_ns = int(deadline_s * 1e9)
     out = {}
-    try:
-        a, b = torch.ones(4), torch.ones(4)
-        for kind in ("sync", "barrier"):
-            ts = []
-            for _ in range(reps):
-                t0 = time.monotonic()
-                w = c.all_reduce(a, async_op=True)
-                if kind == "sync":
-                    c.all_reduce(b)
-                else:
-                    c.barrier()
-                ts.append(time.monotonic() - t0)
-                w.wait()
-            out[kind] = max(ts)
-        out["a"], out["b"] = a[0].item(), b[0].item()
-    finally:
-        c.destroy()
+    # every thread's stack if a call stalls past 1 s (a CI run saw 5.0 s on both ranks, once)
+    with tempfile.TemporaryFile("w+") as stacks:
+        try:
+            a, b = torch.ones(4), torch.ones(4)
+            for kind in ("sync", "barrier"):
+                ts = []
+                for _ in range(reps):
+                    faulthandler.dump_traceback_later(1.0, file=stacks)
+                    t0 = time.monotonic()
+                    w = c.all_reduce(a, async_op=True)
+                    if kind == "sync":
+                        c.all_reduce(b)
+                    else:
+                        c.barrier()
+                    ts.append(time.monotonic() - t0)
+                    faulthandler.cancel_dump_traceback_later()
+                    w.wait()
+                out[kind] = max(ts)
+            out["a"], out["b"] = a[0].item(), b[0].item()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            c.destroy()
+            stacks.seek(0)
+            out["stalled"] = stacks.read()[-6000:]
     return out
 
 
@@ -243,4 +252,7 @@ def test_a_sync_call_starts_the_quiet_call_queued_before_it():
     w = get_world(2)
     res = w.run(_sync_behind_quiet, 2.0, 3, timeout=120)
     for x in res:
-        assert x["sync"] < 0.2 and x["barrier"] < 0.2, res
+        assert x["sync"] < 0.2 and x["barrier"] < 0.2, "\n".join([repr([{k: v for k, v in y.items() if k != "stalled"}
+                                                                   for y in res])]
+                                                            + [f"rank {r}'s stacks 1 s into the stall:\n{y['stalled']}"
+                                                               for r, y in enumerate(res)])
