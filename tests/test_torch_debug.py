@@ -74,7 +74,16 @@ def _pair(tmp_path, backend):
 @needs_oneccl
 @pytest.mark.world
 def test_breakpoint_extends_the_group_timeout_like_gloo(tmp_path):
-    gloo = _pair(tmp_path, "gloo")
+    # the reference once aborted at its exit, after printing its result (gloo: "terminate called
+    # without an active exception", a C++ thread left joinable at teardown; not reproduced in
+    # 8 runs alone): the reference is run again then, streamcoll never
+    for attempt in range(3):
+        try:
+            gloo = _pair(tmp_path, "gloo")
+            break
+        except AssertionError as e:
+            if attempt == 2 or "terminate called" not in str(e):
+                raise
     sc = _pair(tmp_path, "streamcoll")
     for res in (gloo, sc):
         assert res[1]["waited"] > 9.0, res  # rank 1 waited for rank 0's 10 s session, past the 5 s timeout
