@@ -32,7 +32,7 @@ import re
 import threading
 import warnings
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ from . import spec
 from .callbacks import Future
 from .communicator import Communicator
 from .errors import CollectiveTimeout, CommunicatorError, RendezvousError
+from .work import awaited
 
 __all__ = ["ProcessGroupStreamcoll", "StreamcollWork", "create_process_group", "register_backend", "BACKEND_NAME"]
 
@@ -117,6 +118,16 @@ class StreamcollWork(dist._Work):
         return None if self._work is None else self._work.exception()
 
     def result(self) -> List[torch.Tensor]:
+        return list(self._outputs)
+
+    def __await__(self) -> Generator[Any, None, List[torch.Tensor]]:
+        """``await dist.all_reduce(t, async_op=True)`` in a coroutine: as
+        :meth:`streamcoll.Work.__await__` (the loop runs on; the outputs,
+        or the error, once the collective completed)."""
+        return awaited(self.get_future(), self._finish).__await__()
+
+    def _finish(self) -> List[torch.Tensor]:
+        self.wait()
         return list(self._outputs)
 
     def get_future(self) -> torch.futures.Future:

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Generator, List, Optional
 
 import torch
 
@@ -79,7 +79,7 @@ from .timeouts import seconds as _seconds  # the one check of timeout arguments
 
 
 
-__all__ = ["Work", "PostedWork", "Reaper", "POSTING", "launch_posted"]
+__all__ = ["Work", "PostedWork", "Reaper", "POSTING", "launch_posted", "awaited"]
 
 # Communicators holding posted p2p ops not launched yet (id -> communicator):
 # what every blocking call in the process launches first (launch_posted), and
@@ -158,6 +158,31 @@ class Reaper:
 
 
 REAPER = Reaper()
+
+
+async def awaited(fut: torch.futures.Future, finish: Any) -> Any:
+    """Await the torch future ``fut`` from a running asyncio loop, then
+    return ``finish()``. The future completes on streamcoll's callback
+    thread (or at once); its completion reaches the loop through
+    ``call_soon_threadsafe``, so the loop never blocks. A loop closed before
+    the completion arrives is not an error (no task awaits any more)."""
+    import asyncio  # not at import: streamcoll's import does not pay for asyncio
+    loop = asyncio.get_running_loop()
+    arrived = loop.create_future()
+
+    def settle() -> None:
+        if not arrived.done():  # the awaiting task may have been cancelled
+            arrived.set_result(None)
+
+    def hand(_: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    fut.add_done_callback(hand)
+    await arrived
+    return finish()
 
 
 class Work:
@@ -297,6 +322,20 @@ class Work:
 
     def result(self) -> List[torch.Tensor]:
         """The output tensors (valid once the collective completed)."""
+        return list(self._outputs)
+
+    def __await__(self) -> Generator[Any, None, List[torch.Tensor]]:
+        """``await work`` in a coroutine: the event loop runs on while the
+        collective is in flight, and the await returns its output tensors
+        (what :meth:`get_future` gives) once it completed, after
+        :meth:`wait` (not blocking then: on a GPU the loop thread's current
+        stream waits for it) or raises its error. Cancelling the awaiting
+        task (``asyncio.wait_for`` past its timeout) leaves the collective
+        running, as dropping a Work does; wait for it or await it again."""
+        return awaited(self.get_future(), self._finish).__await__()
+
+    def _finish(self) -> List[torch.Tensor]:
+        self.wait()
         return list(self._outputs)
 
     def get_future(self) -> torch.futures.Future:
