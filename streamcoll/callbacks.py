@@ -138,6 +138,7 @@ class CallbackThread:
                 fn()
             except BaseException:  # noqa: BLE001 - a completion must not end the thread
                 log.exception("streamcoll: a future completion raised on the callback thread")
+            fn = None  # type: ignore[assignment]  # not kept (the Work, its tensors, its communicator) while this thread idles
             with cond:
                 if self._owner == me:
                     self._owner = None  # and loops: completions queued meanwhile are taken next, here

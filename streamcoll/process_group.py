@@ -41,7 +41,6 @@ from . import spec
 from .callbacks import Future
 from .communicator import Communicator
 from .errors import CollectiveTimeout, CommunicatorError, RendezvousError
-from .work import awaited
 
 __all__ = ["ProcessGroupStreamcoll", "StreamcollWork", "create_process_group", "register_backend", "BACKEND_NAME"]
 
@@ -121,14 +120,17 @@ class StreamcollWork(dist._Work):
         return list(self._outputs)
 
     def __await__(self) -> Generator[Any, None, List[torch.Tensor]]:
-        """``await dist.all_reduce(t, async_op=True)`` in a coroutine: as
-        :meth:`streamcoll.Work.__await__` (the loop runs on; the outputs,
-        or the error, once the collective completed)."""
-        return awaited(self.get_future(), self._finish).__await__()
+        """``await dist.all_reduce(t, async_op=True)`` in a coroutine: the
+        streamcoll Work's await (:meth:`streamcoll.Work.__await__`: the loop
+        runs on; the error, or past the communicator's timeout what
+        ``wait()`` raises), then this Work's outputs."""
+        return self._await().__await__()
 
-    def _finish(self) -> List[torch.Tensor]:
-        self.wait()
+    async def _await(self) -> List[torch.Tensor]:
+        if self._work is not None:
+            await self._work
         return list(self._outputs)
+
 
     def get_future(self) -> torch.futures.Future:
         fut = self._fut

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Dict, Generator, List, Optional
+from typing import Any, Callable, Dict, Generator, List, Optional
 
 import torch
 
@@ -79,7 +79,7 @@ from .timeouts import seconds as _seconds  # the one check of timeout arguments
 
 
 
-__all__ = ["Work", "PostedWork", "Reaper", "POSTING", "launch_posted", "awaited"]
+__all__ = ["Work", "PostedWork", "Reaper", "POSTING", "launch_posted", "awaited", "Awaiters"]
 
 # Communicators holding posted p2p ops not launched yet (id -> communicator):
 # what every blocking call in the process launches first (launch_posted), and
@@ -160,28 +160,76 @@ class Reaper:
 REAPER = Reaper()
 
 
-async def awaited(fut: torch.futures.Future, finish: Any) -> Any:
-    """Await the torch future ``fut`` from a running asyncio loop, then
-    return ``finish()``. The future completes on streamcoll's callback
-    thread (or at once); its completion reaches the loop through
-    ``call_soon_threadsafe``, so the loop never blocks. A loop closed before
-    the completion arrives is not an error (no task awaits any more)."""
+class Awaiters:
+    """The asyncio futures awaiting one Work: one callback on the Work's
+    torch future wakes them all (an await cancelled before the completion
+    takes its entry out: polling a long collective with ``wait_for`` does
+    not pile up callbacks, loops or futures)."""
+
+    __slots__ = ("waiting", "arrived", "lock")
+
+    def __init__(self) -> None:
+        self.waiting: set = set()
+        self.arrived = False
+        self.lock = threading.Lock()
+
+    def arrive(self, _: Any = None) -> None:
+        with self.lock:
+            self.arrived = True
+            waiting, self.waiting = self.waiting, set()
+        for loop, fut in waiting:
+            try:
+                loop.call_soon_threadsafe(_settle, fut)
+            except RuntimeError:  # its loop closed meanwhile: no task awaits it
+                pass
+
+
+def _settle(fut: Any) -> None:
+    if not fut.done():  # the awaiting task may have been cancelled
+        fut.set_result(None)
+
+
+_AWAITERS_LOCK = threading.Lock()  # one Awaiters per Work, whichever loops await it first
+
+
+async def awaited(work: Any, future: Callable[[], torch.futures.Future], timeout: Optional[float],
+                  expired: Callable[[float], BaseException], finish: Callable[[], Any]) -> Any:
+    """Await ``work`` (whose torch future ``future()`` gives) from a
+    running asyncio loop, then return ``finish()``. The future completes on
+    streamcoll's callback thread (or at once); the completion reaches the
+    loop through ``call_soon_threadsafe``, so the loop never blocks. An
+    await from a loop running on the callback thread itself (inside a
+    future's callback) first hands the callback role to another thread, as
+    ``Future.wait`` does there. Past ``timeout`` seconds (the
+    communicator's, as ``wait()``), ``expired(timeout)`` is raised."""
     import asyncio  # not at import: streamcoll's import does not pay for asyncio
-    loop = asyncio.get_running_loop()
-    arrived = loop.create_future()
-
-    def settle() -> None:
-        if not arrived.done():  # the awaiting task may have been cancelled
-            arrived.set_result(None)
-
-    def hand(_: Any) -> None:
+    from .callbacks import CALLBACKS
+    aw = work._awaiters
+    if aw is None:
+        with _AWAITERS_LOCK:
+            aw = work._awaiters
+            if aw is None:
+                aw = work._awaiters = Awaiters()
+                future().add_done_callback(aw.arrive)  # runs at once if complete
+    if not aw.arrived:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        entry = (loop, fut)
+        with aw.lock:
+            if not aw.arrived:
+                aw.waiting.add(entry)
+        if CALLBACKS.on_callback_thread():
+            CALLBACKS.hand_over()  # the completion this await needs runs on the callback thread
+        timer = None if timeout is None else loop.call_later(timeout, _settle, fut)
         try:
-            loop.call_soon_threadsafe(settle)
-        except RuntimeError:  # the loop closed meanwhile
-            pass
-
-    fut.add_done_callback(hand)
-    await arrived
+            await fut
+        finally:
+            if timer is not None:
+                timer.cancel()
+            with aw.lock:
+                aw.waiting.discard(entry)
+        if not aw.arrived:
+            raise expired(timeout)  # type: ignore[arg-type]
     return finish()
 
 
@@ -190,7 +238,7 @@ class Work:
 
     __slots__ = (
         "_comm", "_rt", "_lane", "_event", "_outputs", "_stash", "_future",
-        "_waited", "_here", "seq", "op", "__weakref__",
+        "_waited", "_here", "_awaiters", "seq", "op", "__weakref__",
     )
 
     def __init__(self, comm, rt, lane, event, seq: int, op: str, outputs, stash, here: bool = False) -> None:
@@ -203,6 +251,7 @@ class Work:
         self._future: Optional[torch.futures.Future] = None
         self._waited = False
         self._here = here  # small CPU call: wait() without a timeout may run it (CpuRuntime.run_here)
+        self._awaiters: Optional[Awaiters] = None  # asyncio awaits (``__await__``)
         self.seq = seq
         self.op = op
 
@@ -329,10 +378,12 @@ class Work:
         collective is in flight, and the await returns its output tensors
         (what :meth:`get_future` gives) once it completed, after
         :meth:`wait` (not blocking then: on a GPU the loop thread's current
-        stream waits for it) or raises its error. Cancelling the awaiting
-        task (``asyncio.wait_for`` past its timeout) leaves the collective
+        stream waits for it), or raises its error; past the communicator's
+        timeout, what ``wait()`` raises then (:class:`CollectiveTimeout`,
+        the communicator declared stuck). Cancelling the awaiting task
+        (``asyncio.wait_for`` past its own deadline) leaves the collective
         running, as dropping a Work does; wait for it or await it again."""
-        return awaited(self.get_future(), self._finish).__await__()
+        return awaited(self, self.get_future, self._comm.timeout, self._timeout, self._finish).__await__()
 
     def _finish(self) -> List[torch.Tensor]:
         self.wait()
@@ -400,6 +451,9 @@ class Work:
     def __repr__(self) -> str:
         state = "completed" if self.is_completed() else "pending"
         return f"<streamcoll.Work {self.op} seq={self.seq} {state}>"
+
+
+POSTED_AWAIT_GRACE_S = 0.002  # how long an await of posted ops lets the loop's other tasks post theirs
 
 
 class PostedWork(Work):
@@ -492,6 +546,35 @@ class PostedWork(Work):
                 fut = g.get_future().then(lambda f: (f.value(), outs)[1])
             self._future = fut
         return fut
+
+    def __await__(self) -> Generator[Any, None, List[torch.Tensor]]:
+        """As :meth:`Work.__await__`, once the posted op went out. An await
+        is a wait that does not block its thread, so other tasks of the
+        loop may still post the matching ops: it first lets them run and
+        launches the posted ops as a status query does (only with a send
+        among them: a lone receive launched would hold the comm thread while
+        a send posted after it waits behind it, on every rank), and launches
+        them anyway after :data:`POSTED_AWAIT_GRACE_S`, as ``wait()`` does
+        at once. A send that another task posts later than that on the same
+        communicator waits behind the receive, as with ``wait()`` in another
+        thread: post both before awaiting either."""
+        return self._posted_await().__await__()
+
+    async def _posted_await(self) -> List[torch.Tensor]:
+        import asyncio
+        await asyncio.sleep(0)  # the tasks ready now run first (they may post the matching send)
+        end = time.monotonic() + POSTED_AWAIT_GRACE_S
+        pause = 0.0001
+        while self._queried() is None and self._exc is None:
+            if time.monotonic() >= end:
+                self._launched()
+                break
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.0005)
+        g = self._group
+        if g is None:
+            raise self._exc  # type: ignore[misc]
+        return await awaited(self, self.get_future, self._comm.timeout, g._timeout, self._finish)
 
     def __repr__(self) -> str:
         if self.posted:

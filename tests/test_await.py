@@ -248,8 +248,14 @@ def test_a_completion_into_a_closed_loop_is_dropped_quietly(capfd):
     from streamcoll.work import awaited
     fut: torch.futures.Future = torch.futures.Future()
 
+    class Held:  # what awaited() needs of a Work: its Awaiters slot
+        _awaiters = None
+
+    def expired(t: float) -> BaseException:
+        return TimeoutError(t)
+
     async def leave() -> None:
-        t = asyncio.get_running_loop().create_task(awaited(fut, lambda: "finished"))
+        t = asyncio.get_running_loop().create_task(awaited(Held(), lambda: fut, None, expired, lambda: "x"))
         await asyncio.sleep(0.01)
         t.cancel()
 
@@ -259,6 +265,9 @@ def test_a_completion_into_a_closed_loop_is_dropped_quietly(capfd):
     th.join(10)
     done: torch.futures.Future = torch.futures.Future()
     done.set_result(None)
-    assert asyncio.run(asyncio.wait_for(awaited(done, lambda: "finished"), 5)) == "finished"
+    assert asyncio.run(asyncio.wait_for(awaited(Held(), lambda: done, None, expired, lambda: "x"), 5)) == "x"
+    never: torch.futures.Future = torch.futures.Future()
+    with pytest.raises(TimeoutError):
+        asyncio.run(awaited(Held(), lambda: never, 0.05, expired, lambda: "x"))
     out, err = capfd.readouterr()
     assert "Error" not in err and "Traceback" not in err and "closed" not in err, err
