@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
@@ -191,6 +192,48 @@ def _compare(fps: List[dict], size: int) -> Tuple[Optional[str], List[int]]:
     return None, []
 
 
+# Store connections of deferred checks no longer used, per store (id -> (store,
+# [clones])): a destroyed communicator's clone serves the next communicator on
+# the same store (a split's children share their parent's). Opening a TCPStore
+# connection is not cheap: torch names both ends of it by a reverse lookup of
+# the peer's address (``getnameinfo`` in the client's connect and in the
+# server's accept, on the server's one thread), a query to the DNS server for
+# ``::ffff:127.0.0.1``, which /etc/hosts does not answer; a resolver that drops
+# one query in about 25 (measured here) makes that connect, and every request
+# to the store meanwhile, wait for glibc's 5 s retry. Cleared in a forked child
+# (the parent's sockets are not the child's).
+_SPARE: Dict[int, Tuple[Any, List[Any]]] = {}
+_SPARE_LOCK = threading.Lock()
+SPARE_MAX = 4  # kept per store: more communicators than this alive at once each open their own
+
+
+def _take_spare(store: Any) -> Any:
+    with _SPARE_LOCK:
+        got = _SPARE.get(id(store))
+        if got is not None and got[0] is store and got[1]:
+            return got[1].pop()
+    return None
+
+
+def _give_spare(store: Any, conn: Any) -> None:
+    with _SPARE_LOCK:
+        got = _SPARE.get(id(store))
+        if got is None or got[0] is not store:
+            got = _SPARE[id(store)] = (store, [])
+        if len(got[1]) < SPARE_MAX:
+            got[1].append(conn)
+
+
+def _forget_spares() -> None:
+    global _SPARE_LOCK
+    _SPARE_LOCK = threading.Lock()  # a parent thread may have held it at fork
+    _SPARE.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_spares)
+
+
 # The checks waiting in the store now: (communicator, sequence number, line)
 # (watchdog.running_calls: a Ctrl-C during a check names the collective, not
 # the store's wait; cleared in a forked child).
@@ -332,7 +375,9 @@ def release(comm: Any) -> None:
         if ch is not None:
             ch.release()
     for s in sigs:
-        s._async_store = None
+        st, s._async_store = s._async_store, None
+        if st and not s._async_busy:  # a clone left between requests: the next communicator's
+            _give_spare(s._checker.store, st)
 
 
 def enable(comm: Any) -> None:
@@ -464,6 +509,7 @@ class Signatures:
         self.fast: set = set()   # fast-path keys whose signature needs no check
         self._checker: Optional[_Checker] = None
         self._async_store: Any = None  # the deferred checks' store connection (a clone), or False: none
+        self._async_busy = False  # a deferred check did not end normally on it: not handed on (release)
         self.checks = 0
 
     def _key(self, name: str, args: tuple) -> Optional[tuple]:
@@ -518,13 +564,15 @@ class Signatures:
         neither queues behind nor blocks another thread's request on the
         same client (measured: they deadlocked); a store that cannot be
         cloned (a framework's own ``dist.Store`` subclass) is shared, and
-        polled instead of waited on in its server."""
+        polled instead of waited on in its server. The clone of a destroyed
+        communicator on the same store is taken first (:data:`_SPARE`: a new
+        connection can cost 5 s)."""
         st = self._async_store
         if st is None:
             if self._checker is None:
                 self._checker = _Checker(self.comm, prefix="sig", label="first-call check")
             try:
-                st = self._checker.store.clone()
+                st = _take_spare(self._checker.store) or self._checker.store.clone()
             except Exception as e:
                 log.debug("communicator %r: its store cannot be cloned (%s): deferred checks poll it",
                           self.comm.name, e)
@@ -557,7 +605,9 @@ class Signatures:
 
             def checked(*a: Any) -> Any:
                 if self._due(key):  # decided in issue order: a pending check of key has run by now
+                    self._async_busy = True  # left so by any exception: the connection may be mid-request
                     self._check(name, key, counts, st, seq, poll)
+                    self._async_busy = False
                 return fn(*a)
 
             plan.fn = checked
