@@ -96,4 +96,19 @@ if ! (cd / && "$PY" -c "import streamcoll, os, sys; from importlib.metadata impo
   say "pip install -e . (streamcoll, editable: this checkout's test set-up; moving or deleting the checkout breaks \`import torch\` here until \`pip uninstall streamcoll\`)"
   "$PY" -m pip install -q --no-deps --no-build-isolation -e .
 fi
+# 6. The resolver: torch names both ends of every TCPStore connection by a
+#    reverse lookup of the peer's address, ::ffff:127.0.0.1 on one host, which
+#    a stock /etc/hosts does not answer: the query goes to the DNS server, and
+#    one that drops it (this workplace's: about 1 in 25) makes the connect, and
+#    every request to that store meanwhile, wait glibc's 5 s retry. The tests
+#    open hundreds of stores and connections: answered from /etc/hosts here
+#    (streamcoll itself reuses its connections: streamcoll/debug.py).
+if [ "$(getent hosts ::ffff:127.0.0.1 2>/dev/null | wc -l)" = 0 ] && ! grep -q '^::ffff:127\.0\.0\.1[[:space:]]' /etc/hosts 2>/dev/null; then
+  if [ -w /etc/hosts ]; then
+    say "adding '::ffff:127.0.0.1 localhost-v4mapped' to /etc/hosts (a reverse lookup of it otherwise asks the DNS server)"
+    echo "::ffff:127.0.0.1 localhost-v4mapped" >> /etc/hosts
+  else
+    say "note: /etc/hosts does not name ::ffff:127.0.0.1 and is not writable: a dropped DNS query stalls a store connection 5 s"
+  fi
+fi
 say "ready: oneCCL runtime $RT, python $("$PY" -c 'import sys; print(sys.version.split()[0])')"

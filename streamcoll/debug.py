@@ -36,6 +36,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -192,9 +193,10 @@ def _compare(fps: List[dict], size: int) -> Tuple[Optional[str], List[int]]:
     return None, []
 
 
-# Store connections of deferred checks no longer used, per store (id -> (store,
-# [clones])): a destroyed communicator's clone serves the next communicator on
-# the same store (a split's children share their parent's). Opening a TCPStore
+# Store connections of deferred checks no longer used, per store (store ->
+# [clones], held weakly: a store nobody holds any more takes its spares with
+# it): a destroyed communicator's clone serves the next communicator on the
+# same store (a split's children share their parent's). Opening a TCPStore
 # connection is not cheap: torch names both ends of it by a reverse lookup of
 # the peer's address (``getnameinfo`` in the client's connect and in the
 # server's accept, on the server's one thread), a query to the DNS server for
@@ -202,26 +204,28 @@ def _compare(fps: List[dict], size: int) -> Tuple[Optional[str], List[int]]:
 # one query in about 25 (measured here) makes that connect, and every request
 # to the store meanwhile, wait for glibc's 5 s retry. Cleared in a forked child
 # (the parent's sockets are not the child's).
-_SPARE: Dict[int, Tuple[Any, List[Any]]] = {}
+_SPARE: "weakref.WeakKeyDictionary[Any, List[Any]]" = weakref.WeakKeyDictionary()
 _SPARE_LOCK = threading.Lock()
 SPARE_MAX = 4  # kept per store: more communicators than this alive at once each open their own
 
 
 def _take_spare(store: Any) -> Any:
     with _SPARE_LOCK:
-        got = _SPARE.get(id(store))
-        if got is not None and got[0] is store and got[1]:
-            return got[1].pop()
-    return None
+        try:
+            got = _SPARE.get(store)
+        except TypeError:  # a store that takes no weak reference: never pooled
+            return None
+        return got.pop() if got else None
 
 
 def _give_spare(store: Any, conn: Any) -> None:
     with _SPARE_LOCK:
-        got = _SPARE.get(id(store))
-        if got is None or got[0] is not store:
-            got = _SPARE[id(store)] = (store, [])
-        if len(got[1]) < SPARE_MAX:
-            got[1].append(conn)
+        try:
+            got = _SPARE.setdefault(store, [])
+        except TypeError:
+            return
+        if len(got) < SPARE_MAX:
+            got.append(conn)
 
 
 def _forget_spares() -> None:
