@@ -169,6 +169,7 @@ LAYERS: Dict[str, str] = {
     "streamcoll.signals": "diagnostics",
     "streamcoll.shm_regions": "diagnostics",
 
+    "streamcoll.hosts": "start-up",
     "streamcoll.logs": "start-up",
     "streamcoll.launchers": "start-up",
     "streamcoll.topology": "start-up",
