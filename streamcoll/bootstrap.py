@@ -21,7 +21,7 @@ import json
 import logging
 import os
 from datetime import timedelta
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch
 
@@ -30,7 +30,7 @@ from .communicator import Communicator, _seconds, adopt
 from . import env, launchers, shm_regions, topology
 from .env_vars import read_int
 from .errors import BackendUnavailableError, CommunicatorError, UsageError
-from .rendezvous import Meeting, _get_store, _world_size, rendezvous  # noqa: F401  (Meeting: bootstrap's, as before)
+from .rendezvous import Meeting, _get_store, _world_size, rendezvous as _rendezvous  # noqa: F401  (Meeting: bootstrap's, as before)
 
 log = logging.getLogger("streamcoll.bootstrap")
 
@@ -137,6 +137,18 @@ def _default_uid(topo: topology.Topology, cname: str) -> bytes:
         return bytes(b.unique_id())
 
 
+def rendezvous(store: Any, rank: int, world_size: int, *, timeout: Union[float, timedelta],
+               facts: Optional[topology.RankFacts] = None,
+               make_uid: Optional[Callable[[topology.Topology, str], bytes]] = None,
+               name: Optional[str] = None, known: Optional[topology.Topology] = None) -> Meeting:
+    """:func:`streamcoll.rendezvous.rendezvous` (the store part of creating
+    a communicator), ``make_uid`` by default the CPU backend's unique id made
+    in the environment of a native call (:func:`_default_uid`): the unique
+    id is this module's side, which the store side is given."""
+    return _rendezvous(store, rank, world_size, timeout=timeout, facts=facts,
+                       make_uid=_default_uid if make_uid is None else make_uid, name=name, known=known)
+
+
 def new_communicator(
     backend: Optional[str] = None,
     device: Union[None, str, torch.device] = None,
@@ -237,8 +249,8 @@ def new_communicator(
 
     # The store part (see rendezvous): the first point where all ranks meet;
     # it waits with progress lines and names the missing ranks at the timeout.
-    m = rendezvous(store, rank, world_size, timeout=t, make_uid=make_uid, name=name,
-                   known=known_topology)
+    m = _rendezvous(store, rank, world_size, timeout=t, make_uid=make_uid, name=name,
+                    known=known_topology)
     topo, uid, pstore, cname = m.topology, m.uid, m.store, m.name
     if b.name == "oneccl" and launchers.mpi_transport_requested():
         _agree_mpi_transport(pstore, rank, world_size, cname)
