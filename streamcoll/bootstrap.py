@@ -25,12 +25,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch
 
-from .backends import resolve
+from .backends import make_nonblocking, nccl_nonblocking_requested, resolve
 from .communicator import Communicator, _seconds, adopt
-from . import env, launchers, shm_regions, topology
+from . import env, launchers, shm_regions, topology, watchdog
 from .env_vars import read_int
 from .errors import BackendUnavailableError, CommunicatorError, UsageError
-from .rendezvous import Meeting, _get_store, _world_size, rendezvous as _rendezvous  # noqa: F401  (Meeting: bootstrap's, as before)
+from .rendezvous import Meeting  # noqa: F401  (bootstrap's, as before)
+from .rendezvous import _get_store, _world_size, rendezvous as _rendezvous
 
 log = logging.getLogger("streamcoll.bootstrap")
 
@@ -262,8 +263,7 @@ def new_communicator(
     problem = topo.loopback_problem(advertised[0] if advertised else None)
     if problem:  # every rank sees the same facts, so every rank raises
         raise CommunicatorError(f"init of communicator {cname!r}: {problem}. {_LOOPBACK_HINT}")
-    from . import watchdog
-    nonblocking = b.name == "nccl" and watchdog.nccl_nonblocking_requested()
+    nonblocking = b.name == "nccl" and nccl_nonblocking_requested()
     pstore.set(f"init/{rank}", json.dumps({k: os.environ.get(k, settings.get(k)) for k in _IFACE_VARS}))
     if nonblocking:  # polled with ncclCommGetAsyncError: times out with CollectiveTimeout
         with _native_entry(b.name, settings):  # NCCL's init reads its variables until it is ready
@@ -278,7 +278,7 @@ def new_communicator(
                                                  name=cname, own=made["own"]))  # freed if it raises (issue 33)
     comm.topology = topo
     if nonblocking:
-        watchdog.make_nonblocking(comm)
+        make_nonblocking(comm)
     return comm
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 from typing import Dict, List, Set
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -158,6 +160,7 @@ LAYERS: Dict[str, str] = {
     "streamcoll.general_methods": "core",
     "streamcoll._methods": "core",
     "streamcoll.debug": "core",
+    "streamcoll.hooks": "core",
     "streamcoll.backends": "core",
     "streamcoll.async_launch": "core",
     "streamcoll.p2p": "core",
@@ -216,3 +219,26 @@ def test_no_module_imports_a_higher_layer():
     up = sorted(f"{m} ({_layer(m)}) -> {t} ({_layer(t)})" for m, ts in g.items() for t in ts
                 if _layer(m) and _layer(t) and ORDER.index(_layer(t)) > ORDER.index(_layer(m)))
     assert up == [], "imports of a higher layer:\n" + "\n".join(up)
+
+
+def test_observers_attach_whichever_module_is_imported_first():
+    """The core calls the watchdog and torch-format dumps through
+    streamcoll.hooks, never by import: importing a core module alone (which
+    runs the package's __init__ first) must find every slot filled, so no
+    communicator is created unwatched. ``python -m streamcoll.flight`` still
+    runs without the runpy warning (the package does not import flight)."""
+    code = ("import sys, warnings\n"
+            "warnings.simplefilter('error')\n"
+            "import streamcoll.communicator\n"
+            "from streamcoll import hooks, watchdog, fr_torch\n"
+            "assert hooks.on_create == [watchdog.register], hooks.on_create\n"
+            "assert hooks.on_timeout is watchdog.handle_timeout\n"
+            "assert hooks.teardown_guard is watchdog.skip_native_teardown\n"
+            "assert hooks.on_dump == [fr_torch._after_dump], hooks.on_dump\n"
+            "assert 'streamcoll.flight' not in sys.modules\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "streamcoll.flight", "--help"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "RuntimeWarning" not in p.stderr, p.stderr[-3000:]
