@@ -65,6 +65,9 @@ from .grad_sync import GradientSync
 from .ops import PreMulSum, ReduceOp, premul_sum
 from .process_group import ProcessGroupStreamcoll, register_backend as _register_backend
 from .work import Work
+# The observers of every communicator attach to the core when imported (streamcoll.hooks): the
+# watchdog (hangs, the start of quietly queued CPU calls) and torch-format flight dumps.
+from . import fr_torch, watchdog  # noqa: F401
 
 _register_backend()  # torch.distributed.init_process_group("streamcoll")
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import ContextManager, Dict, Optional, Tuple
+import time
+from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
 
 import torch
 
 from ._ffi._common import Binding
-from .errors import CommunicatorError
+from .errors import CollectiveTimeout, CommunicatorError
 from .spec import c_functions
 from .turnstile import Turnstile
 
@@ -217,7 +218,6 @@ class Backend:
                 rc = getattr(lib, fname)(comm, nranks, cid[0], rank)
         if rc and blocking is False and self.name == "nccl" and rc == self.binding.const("ncclInProgress"):
             # Non-blocking init: poll until ready, an error, or the timeout (then aborted).
-            from .watchdog import nccl_wait_ready
             nccl_wait_ready(self, comm[0], timeout, "init", rank, nranks)
             return comm[0]
         if rc:
@@ -335,4 +335,87 @@ def resolve(backend: Optional[str], device: torch.device) -> Tuple[Backend, torc
     return b, device
 
 
-__all__ += ["resolve", "CommunicatorError"]
+# ------------------------------------------------------- non-blocking NCCL
+# NCCL communicators can be created non-blocking (STREAMCOLL_NCCL_NONBLOCKING=1:
+# config blocking=0, as TORCH_NCCL_USE_COMM_NONBLOCKING does): init returns
+# ncclInProgress and is polled with ncclCommGetAsyncError (nccl_wait_ready), so
+# an init whose peers never come raises CollectiveTimeout after the timeout (the
+# communicator is aborted) instead of ending the process; every later call on
+# such a communicator that returns ncclInProgress is polled the same way
+# (make_nonblocking), as NCCL requires before the next call. NCCL's protocol,
+# so here with NCCL's other code, not in the watchdog (issue 44).
+def nccl_nonblocking_requested() -> bool:
+    return os.environ.get("STREAMCOLL_NCCL_NONBLOCKING", "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def nccl_wait_ready(backend: Any, handle: Any, timeout: Optional[float], what: str,
+                    rank: int = -1, size: int = -1,
+                    abort: Optional[Callable[[BaseException], Any]] = None) -> None:
+    """Poll ``ncclCommGetAsyncError`` until a non-blocking NCCL communicator
+    left ``ncclInProgress``. An error state raises the library error; past
+    ``timeout`` seconds :class:`CollectiveTimeout` is raised. Either way the
+    native communicator is aborted first: by ``abort(error)`` where a
+    :class:`~streamcoll.Communicator` owns the handle (its own abort path
+    marks it failed before ``ncclCommAbort`` frees the handle, so no launch,
+    watchdog query or ``destroy()`` uses the freed pointer), else
+    (``abort`` None: an init or split whose handle nobody else holds yet)
+    with ``ncclCommAbort`` directly."""
+    lib, ffi, binding = backend.lib(), backend.ffi, backend.binding
+
+    def _abort_with(err: BaseException) -> None:
+        try:
+            if abort is not None:
+                abort(err)
+            else:
+                lib.ncclCommAbort(handle)
+        except Exception:
+            pass
+
+    in_progress = binding.const("ncclInProgress")
+    state = ffi.new("ncclResult_t *")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = 1e-4
+    while True:
+        rc = lib.ncclCommGetAsyncError(handle, state)
+        if rc:
+            raise binding.error("ncclCommGetAsyncError", rc, handle)
+        s = int(state[0])
+        if s == 0:
+            return
+        if s != in_progress:
+            err: BaseException = binding.error(f"{what} (asynchronous error)", s, handle)
+            _abort_with(err)
+            raise err
+        if deadline is not None and time.monotonic() > deadline:
+            err = CollectiveTimeout(what, 0, float(timeout or 0.0), [], rank, size,
+                                    "the non-blocking NCCL communicator stayed ncclInProgress; it was aborted "
+                                    "(ncclCommAbort). Check that every rank started and can reach the others")
+            _abort_with(err)
+            raise err
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+
+
+def make_nonblocking(comm: Any) -> None:
+    """Poll ``ncclInProgress`` of ``comm``'s calls to completion (or its
+    error, or the communicator's timeout) before the call returns, as a
+    non-blocking communicator requires: an rc hook, so the launch path (and
+    its fast paths) are the same as for a blocking communicator."""
+    backend = comm._backend
+    in_progress = backend.binding.const("ncclInProgress")
+
+    def fail(err: BaseException) -> None:
+        comm.mark_failed(err)  # every launcher refuses from here on
+        comm.abort()  # ncclCommAbort once, then the handle, fast paths and events are dropped
+
+    def poll(cname: str, rc: int) -> bool:
+        if rc != in_progress:
+            return False
+        nccl_wait_ready(backend, comm._handle, comm.timeout, cname, comm.rank, comm.size, abort=fail)
+        return True
+
+    comm.register_rc_hook(poll)
+    comm.nonblocking = True
+
+
+__all__ += ["resolve", "CommunicatorError", "nccl_nonblocking_requested", "nccl_wait_ready", "make_nonblocking"]

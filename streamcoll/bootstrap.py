@@ -21,16 +21,17 @@ import json
 import logging
 import os
 from datetime import timedelta
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch
 
-from .backends import resolve
+from .backends import make_nonblocking, nccl_nonblocking_requested, resolve
 from .communicator import Communicator, _seconds, adopt
-from . import env, launchers, shm_regions, topology
+from . import env, launchers, shm_regions, topology, watchdog
 from .env_vars import read_int
 from .errors import BackendUnavailableError, CommunicatorError, UsageError
-from .rendezvous import Meeting, _get_store, _world_size, rendezvous  # noqa: F401  (Meeting: bootstrap's, as before)
+from .rendezvous import Meeting  # noqa: F401  (bootstrap's, as before)
+from .rendezvous import _get_store, _world_size, rendezvous as _rendezvous
 
 log = logging.getLogger("streamcoll.bootstrap")
 
@@ -137,6 +138,18 @@ def _default_uid(topo: topology.Topology, cname: str) -> bytes:
         return bytes(b.unique_id())
 
 
+def rendezvous(store: Any, rank: int, world_size: int, *, timeout: Union[float, timedelta],
+               facts: Optional[topology.RankFacts] = None,
+               make_uid: Optional[Callable[[topology.Topology, str], bytes]] = None,
+               name: Optional[str] = None, known: Optional[topology.Topology] = None) -> Meeting:
+    """:func:`streamcoll.rendezvous.rendezvous` (the store part of creating
+    a communicator), ``make_uid`` by default the CPU backend's unique id made
+    in the environment of a native call (:func:`_default_uid`): the unique
+    id is this module's side, which the store side is given."""
+    return _rendezvous(store, rank, world_size, timeout=timeout, facts=facts,
+                       make_uid=_default_uid if make_uid is None else make_uid, name=name, known=known)
+
+
 def new_communicator(
     backend: Optional[str] = None,
     device: Union[None, str, torch.device] = None,
@@ -237,8 +250,8 @@ def new_communicator(
 
     # The store part (see rendezvous): the first point where all ranks meet;
     # it waits with progress lines and names the missing ranks at the timeout.
-    m = rendezvous(store, rank, world_size, timeout=t, make_uid=make_uid, name=name,
-                   known=known_topology)
+    m = _rendezvous(store, rank, world_size, timeout=t, make_uid=make_uid, name=name,
+                    known=known_topology)
     topo, uid, pstore, cname = m.topology, m.uid, m.store, m.name
     if b.name == "oneccl" and launchers.mpi_transport_requested():
         _agree_mpi_transport(pstore, rank, world_size, cname)
@@ -250,8 +263,7 @@ def new_communicator(
     problem = topo.loopback_problem(advertised[0] if advertised else None)
     if problem:  # every rank sees the same facts, so every rank raises
         raise CommunicatorError(f"init of communicator {cname!r}: {problem}. {_LOOPBACK_HINT}")
-    from . import watchdog
-    nonblocking = b.name == "nccl" and watchdog.nccl_nonblocking_requested()
+    nonblocking = b.name == "nccl" and nccl_nonblocking_requested()
     pstore.set(f"init/{rank}", json.dumps({k: os.environ.get(k, settings.get(k)) for k in _IFACE_VARS}))
     if nonblocking:  # polled with ncclCommGetAsyncError: times out with CollectiveTimeout
         with _native_entry(b.name, settings):  # NCCL's init reads its variables until it is ready
@@ -266,7 +278,7 @@ def new_communicator(
                                                  name=cname, own=made["own"]))  # freed if it raises (issue 33)
     comm.topology = topo
     if nonblocking:
-        watchdog.make_nonblocking(comm)
+        make_nonblocking(comm)
     return comm
 
 

@@ -80,7 +80,10 @@ and :meth:`abort` the one teardown after a failure for each library.
 Other modules attach through hooks, never by writing privates:
 :meth:`register_pre_hook` (debug checks), :meth:`register_rc_hook`
 (non-blocking NCCL polling), :meth:`mark_failed` (watchdog, process group),
-and the flight recorder the communicator owns (:attr:`flight`).
+and the flight recorder the communicator owns (:attr:`flight`). The
+diagnostics that observe every communicator (the watchdog, torch-format
+flight dumps) are never imported here: they fill the slots of
+:mod:`streamcoll.hooks` when the package imports them.
 """
 from __future__ import annotations
 
@@ -97,13 +100,13 @@ import numpy as np
 import torch
 
 from . import debug as _debug
-from . import env as _env
 from . import general_methods
+from . import hooks as _hooks
 from . import recorder as _flight
 from . import spec as _spec
 from . import work as _work
 from ._methods import CollectiveMethods
-from .backends import Backend
+from .backends import Backend, make_nonblocking, nccl_wait_ready
 from .env_vars import read_int
 from .errors import CollectiveTimeout, CommunicatorError
 from .fast_paths import FastPaths
@@ -231,7 +234,7 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
         store: Any = None,
         name: str = "default",
         *,
-        own: Optional[Dict[str, str]] = None,
+        own: Dict[str, str],
     ) -> None:
         self._backend = backend
         self._ffi = ffi = backend.ffi
@@ -249,9 +252,10 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
         self.record_stream = bool(record_stream)
         self._store = store
         self.name = name
-        # streamcoll's own settings that must agree (env.OWN): those agreed at the rendezvous (a
-        # split's: its parent's), so a rank's environment changed later cannot make it differ
-        self._own = _env.check_own(own or {})
+        # streamcoll's own settings that must agree (env.OWN): those agreed at the rendezvous
+        # (env.check_own's, passed by bootstrap; a split's: its parent's), so a rank's
+        # environment changed later cannot make it differ
+        self._own = dict(own)
         self._pid = os.getpid()
         self.id = next(_IDS)  # what compiled code receives for this communicator (an int)
         _BY_ID[self.id] = self
@@ -272,7 +276,7 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
         self._pre_hooks: List[Callable[[LaunchRecord], Any]] = []
         self._rc_hooks: List[Callable[[str, int], bool]] = []
         self._debug: Any = None
-        self.nonblocking = False  # NCCL config blocking=0 (set by watchdog.make_nonblocking)
+        self.nonblocking = False  # NCCL config blocking=0 (set by backends.make_nonblocking)
         self.topology: Any = None  # which ranks share a host (set by bootstrap; streamcoll.topology)
         stream_ctype = "cudaStream_t" if backend.name == "nccl" else "void *"
         cast = ffi.cast
@@ -298,8 +302,8 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
         self._sig = _debug.signatures_for(self, int(self._own["STREAMCOLL_SIGNATURE_CHECKS"]))
         self._build_fast_paths()
         _debug.maybe_install(self, self._own["STREAMCOLL_DEBUG_CHECKS"] == "1")
-        from . import watchdog
-        watchdog.register(self)
+        for h in _hooks.on_create:  # the watchdog watches it (streamcoll.hooks)
+            h(self)
         _LIVE.add(self)
 
     # ------------------------------------------------------------ properties
@@ -495,15 +499,14 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
         if finished is False:
             if self._failed is not None:
                 return  # native communicator left allocated: a call still runs inside it
-            from .watchdog import handle_timeout
             stuck = self._flight.inflight  # the flight entry of the call that did not return
             if stuck is not None:
                 op, seq = stuck.op, stuck.seq
                 shapes = [tuple(x) for x in self._flight.describe(self, stuck)["shapes"] if x is not None]
             else:
                 op, seq, shapes = "destroy", self._seq, []
-            raise handle_timeout(self, op, seq, t, shapes,
-                                 "destroy: queued asynchronous work did not finish; native communicator left allocated")
+            raise _hooks.on_timeout(self, op, seq, t, shapes, "destroy: queued asynchronous work did not "
+                                    "finish; native communicator left allocated")
         if self._failed is None:
             _debug.release(self)  # the keys its checks left in the store, once no rank reads them
         lock = self._rt.exec_lock  # not under another thread's launch or the watchdog's query
@@ -580,8 +583,7 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
                     if got:
                         lock.release()
         if not ok and busy:
-            from .watchdog import skip_native_teardown
-            skip_native_teardown()
+            _hooks.teardown_guard()  # streamcoll.watchdog.skip_native_teardown
         return ok
 
     def _in_library(self) -> bool:
@@ -598,15 +600,13 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
     def _timed_out(self, op: str, seq: int, timeout: float, tensors: Any, detail: str = "") -> CollectiveTimeout:
         """Mark failed, dump the flight record, abort (NCCL); the error to raise."""
         shapes = [tuple(t.shape) for t in (tensors or ()) if isinstance(t, _Tensor)]
-        from .watchdog import handle_timeout
-        return handle_timeout(self, op, seq, timeout, shapes, detail)
+        return _hooks.on_timeout(self, op, seq, timeout, shapes, detail)  # streamcoll.watchdog.handle_timeout
 
     def dump_flight_record(self, path: Optional[str] = None) -> str:
         """Write this rank's flight record (recent operations) as JSON; returns
         the file. ``path``: a file or a directory (default ``STREAMCOLL_FLIGHT_DIR``).
         Read the dumps of all ranks with ``python -m streamcoll.flight analyze DIR``."""
-        from .flight import dump
-        return dump(self, path, "on request")
+        return _flight.dump(self, path, "on request")
 
     # ------------------------------------------------------------ launching
     def _raise_rc(self, cname: str, rc: int) -> None:
@@ -727,7 +727,6 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
             # the child inherits blocking=0: ncclCommSplit may return while it
             # initialises. Ready (or aborted and raised) before a Communicator,
             # and with it the watchdog, ever holds the handle.
-            from .watchdog import nccl_wait_ready
             nccl_wait_ready(self._backend, newh, self.timeout if timeout is None else timeout, "split",
                             new_rank, len(members))
         child = adopt(self._backend, newh, lambda: Communicator(
@@ -738,7 +737,6 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
         if self.topology is not None:  # derived from this one's: no store, no exchange
             child.topology = self.topology.subgroup([r for _, r in members], new_rank)
         if self.nonblocking:
-            from .watchdog import make_nonblocking
             make_nonblocking(child)
         return child
 

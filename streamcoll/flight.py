@@ -47,10 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import socket
 import sys
-import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import spec
@@ -59,54 +56,16 @@ __all__ = [
     "FlightRecorder", "FlightEntry", "attach", "dump", "default_dir", "load_dumps", "analyze", "Finding", "main",
 ]
 
-from .recorder import (  # noqa: F401  (re-exported)
-    COALESCED_P2P, COMPLETED, ENQUEUED, FAILED, LAUNCHED, P2P_GROUP, RUNNING, FlightEntry, FlightRecorder, _capacity,
-    attach, default_dir, now_ns, open_dump_dir, write_private, wref,
+from .recorder import (  # noqa: F401  (re-exported: the ring, and the dump written next to it)
+    COALESCED_P2P, COMPLETED, ENQUEUED, FAILED, FORMAT_VERSION, LAUNCHED, P2P_ENTRIES, P2P_GROUP, RUNNING,
+    FlightEntry, FlightRecorder, _capacity, attach, default_dir, dump, now_ns, open_dump_dir, snapshot,
+    write_private, wref,
 )
 
 P2P_OPS = spec.p2p_ops()
-# What the recorder's entries name point-to-point work: the table's p2p ops and
-# the grouped launches (each advances the p2p count, so has no collective number).
-P2P_ENTRIES = P2P_OPS | {P2P_GROUP, COALESCED_P2P}
-FORMAT_VERSION = 1
 
 
-# ----------------------------------------------------------------- dumping
-def _entry_json(comm: Any, fr: FlightRecorder, e: Any, now: int, seen: Optional[int]) -> dict:
-    desc = fr.describe(comm, e)
-    sync = e.sync
-    state = fr.state(comm, e)
-    if sync:
-        t_enq = t_start = seen if state == RUNNING and seen else 0
-        t_end = 0
-    else:
-        t_enq, t_start, t_end = e.t_enq, e.t_start or (e.t_enq if state == LAUNCHED else 0), e.t_end
-    d = {
-        "seq": e.seq,
-        "collective_seq": None if e.op in P2P_ENTRIES else e.seq - e.p2p,
-        "op": e.op,
-        "shapes": desc["shapes"],
-        "dtypes": desc["dtypes"],
-        "strategy": "sync" if sync else "async",
-        "state": state,
-        "enqueued": fr.wall(t_enq),
-        "started": fr.wall(t_start),
-        "ended": fr.wall(t_end),
-        "duration_s": (t_end - t_start) / 1e9 if t_end and t_start else None,
-        "age_s": (now - (t_start or t_enq)) / 1e9 if (t_start or t_enq) else None,
-    }
-    if sync and state == RUNNING:
-        d["started_note"] = "first seen running by the watchdog" if seen else "running; start time not recorded"
-    err = fr.errors.get(e.seq) if sync else e.error
-    if err:
-        d["error"] = err
-    behind = getattr(e, "behind", None)
-    if behind and state in (RUNNING, ENQUEUED):
-        # not inside the library: it waits for the process's turn (issue 33, finding 9)
-        d["waiting_behind"] = behind
-    return d
-
-
+# ---------------------------------------------------------------- analysis
 def _behind_text(present: Dict[int, dict]) -> str:
     """"; on rank r it waited for its turn behind X..." for entries that
     never entered the library (the call to look at is X, not the peers)."""
@@ -115,76 +74,6 @@ def _behind_text(present: Dict[int, dict]) -> str:
     return ("; " + "; ".join(parts) + " (look at that call first)") if parts else ""
 
 
-def snapshot(comm: Any, reason: str = "") -> dict:
-    """The JSON-ready flight record of ``comm``."""
-    fr: FlightRecorder = comm._flight
-    now = now_ns()
-    failed = comm._failed
-    es = fr.entries()
-    return {
-        "format": "streamcoll-flight",
-        "version": FORMAT_VERSION,
-        "communicator": comm.name,
-        "backend": comm._backend.name,
-        "device": str(comm._device),
-        "rank": comm._rank,
-        "size": comm._size,
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "timeout_s": comm.timeout,
-        "issued": comm._seq,
-        "p2p_issued": comm._p2p,
-        "state": "destroyed" if comm._destroyed else ("failed" if failed is not None else "live"),
-        "failure": None if failed is None else str(failed),
-        "reason": reason,
-        "dumped_at": time.time(),
-        "capacity": fr.capacity,
-        "entries": [_entry_json(comm, fr, e, now, _seen(comm, e)) for e in es],
-    }
-
-
-def _seen(comm: Any, e: Any) -> Optional[int]:
-    """When the watchdog first saw synchronous entry ``e`` running (monotonic ns)."""
-    s = comm._flight.running_since
-    return s[1] if s is not None and s[0] == e.seq else None
-
-
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "comm"
-
-
-def dump(comm: Any, path: Optional[str] = None, reason: str = "on request") -> str:
-    """Write ``comm``'s flight record as JSON; returns the file written.
-
-    ``path`` may be a directory (the file is then
-    ``<communicator>.rank<r>.json`` in it) or a file name; default: the
-    directory :func:`default_dir` names, private to this user
-    (:func:`streamcoll.recorder.open_dump_dir` says what is refused and
-    where the dump then goes). The file is 0600, written under a temporary
-    name and renamed (:func:`streamcoll.recorder.write_private`).
-    """
-    if path is None or os.path.isdir(path) or str(path).endswith(os.sep):
-        dfd, d = open_dump_dir(None if path is None else str(path))
-        name = f"{_safe(comm.name)}.rank{comm._rank}.json"
-    else:
-        dfd, d = open_dump_dir(os.path.dirname(os.path.abspath(path)))
-        name = os.path.basename(path)
-    try:
-        write_private(dfd, name, json.dumps(snapshot(comm, reason), indent=1))
-    finally:
-        os.close(dfd)
-    from . import fr_torch
-    if fr_torch.wanted():  # torch's variables: its format too, for fr_trace (streamcoll.fr_torch)
-        try:
-            from .communicator import _LIVE
-            fr_torch.dump_torch([comm] + [c for c in list(_LIVE) if c is not comm], reason)
-        except Exception as e:  # noqa: BLE001 - the JSON dump is written; say why torch's is not
-            import logging
-            logging.getLogger("streamcoll.flight").warning("torch-format flight dump not written: %s", e)
-    return os.path.join(d, name)
-
-
-# ---------------------------------------------------------------- analysis
 class Finding:
     """One problem found by :func:`analyze`."""
 

@@ -11,7 +11,7 @@ library one of its list: ``nccl`` here for NCCL, ``xccl`` for oneCCL), sizes
 and dtypes in and out, ``state`` (``scheduled``/``started``/``completed``),
 times in ns, ``timeout_ms``, ``is_p2p``, ``frames``.
 
-Written next to streamcoll's JSON dump (:func:`streamcoll.flight.dump`,
+Written next to streamcoll's JSON dump (:func:`streamcoll.recorder.dump`,
 which the watchdog calls on a hang) when one of torch's variables asks for
 it: ``TORCH_FR_DUMP_TEMP_FILE`` (the prefix; torch's default
 ``/tmp/nccl_trace_rank_``), ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` or
@@ -25,10 +25,15 @@ collectives' order is what fr_trace aligns).
 """
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import re
 from typing import Any, Dict, List, Optional
+
+from . import hooks as _hooks
+from .communicator import _LIVE
+from .recorder import open_dump_dir, snapshot, write_private
 
 __all__ = ["VERSION", "wanted", "prefix", "to_torch", "dump_torch"]
 
@@ -70,7 +75,7 @@ def _ns(wall: Any) -> int:
 
 
 def to_torch(snaps: List[dict], rank: int) -> dict:
-    """torch's dump of a process from streamcoll snapshots (:func:`streamcoll.flight.snapshot`)."""
+    """torch's dump of a process from streamcoll snapshots (:func:`streamcoll.recorder.snapshot`)."""
     entries: List[dict] = []
     pg_config: Dict[str, dict] = {}
     for pg_id, s in enumerate(snaps):
@@ -100,8 +105,6 @@ def to_torch(snaps: List[dict], rank: int) -> dict:
 def dump_torch(comms: List[Any], reason: str = "", path: Optional[str] = None) -> str:
     """Write torch's dump of ``comms`` (this process's communicators) to
     ``path`` (default ``<prefix><rank>``); returns the file written."""
-    from .flight import snapshot
-    from .recorder import write_private, open_dump_dir
     if not comms:
         raise ValueError("comms: no communicator to dump")
     r = os.environ.get("RANK", "")
@@ -114,6 +117,19 @@ def dump_torch(comms: List[Any], reason: str = "", path: Optional[str] = None) -
     finally:
         os.close(dfd)
     return os.path.join(d, os.path.basename(target))
+
+
+def _after_dump(comm: Any, reason: str) -> None:
+    """After streamcoll's JSON dump of ``comm`` (:func:`streamcoll.recorder.dump`,
+    through :data:`streamcoll.hooks.on_dump`): torch's too, of every live
+    communicator, where torch's variables ask for it. Never raises: the JSON
+    dump is written; a warning says why torch's is not."""
+    if not wanted():
+        return
+    try:
+        dump_torch([comm] + [c for c in list(_LIVE) if c is not comm], reason)
+    except Exception as e:  # noqa: BLE001
+        logging.getLogger("streamcoll.flight").warning("torch-format flight dump not written: %s", e)
 
 
 # ------------------------------------------------------- reading torch's dumps
@@ -185,3 +201,6 @@ def from_torch(d: dict, path: str) -> List[dict]:
         if not p2p:
             s["issued"] = max(s["issued"], seq)
     return list(out.values())
+
+
+_hooks.on_dump.append(_after_dump)  # attached to the core at import (streamcoll.hooks)

@@ -51,6 +51,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Dict, Mapping, MutableMapping, NamedTuple, Optional, Tuple
 
 from .errors import RendezvousError
+from .hosts import host_identity, ipv4_addresses
 
 __all__ = ["Launcher", "Launch", "TABLE", "detect", "adopt", "current", "first_host", "tasks_on_node",
            "slurm_port", "SLURM_PORTS", "job_scope", "DEFAULT_PORT"]
@@ -306,9 +307,8 @@ def _reachable_address(same_host: bool) -> str:
     name), else its hostname."""
     if same_host:
         return "127.0.0.1"
-    from .topology import _ipv4_addresses
     try:
-        table = _ipv4_addresses()
+        table = ipv4_addresses()
     except OSError:
         table = {}
     for a, _ in sorted(table.items(), key=lambda kv: kv[1]):
@@ -347,7 +347,6 @@ def _mpi_rendezvous(launch: Launch, env: Mapping[str, str]) -> Launch:
         raise RendezvousError(
             f"{launch.describe()}: mpi4py's MPI_COMM_WORLD says rank {mrank} of {size}. Run mpi4py from the MPI "
             f"that launched the job (or set MASTER_ADDR/MASTER_PORT)", [], addr or "", -1, size, timed_out=False)
-    from .topology import host_identity
     nets = comm.allgather(host_identity()[2])
     chosen = (addr or _reachable_address(all(n == nets[0] for n in nets)), port or str(_free_port())) \
         if mrank == 0 else None

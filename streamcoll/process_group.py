@@ -41,6 +41,7 @@ from . import spec
 from .callbacks import Future
 from .communicator import Communicator
 from .errors import CollectiveTimeout, CommunicatorError, RendezvousError
+from .torch_hooks import install as _install_torch_hooks, set_group_timeout
 
 __all__ = ["ProcessGroupStreamcoll", "StreamcollWork", "create_process_group", "register_backend", "BACKEND_NAME"]
 
@@ -226,7 +227,6 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
 
     def _set_default_timeout(self, timeout: timedelta) -> None:
         """The group's timeout from now on (``dist.breakpoint``, ``_set_pg_timeout``)."""
-        from .torch_hooks import set_group_timeout
         set_group_timeout(self, timeout)
 
     def set_timeout(self, timeout: timedelta) -> None:
@@ -703,8 +703,7 @@ def register_backend() -> None:
     """
     if not dist.is_available():
         return
-    from .torch_hooks import install
-    install()  # _set_pg_timeout (dist.breakpoint) reaches streamcoll groups
+    _install_torch_hooks(ProcessGroupStreamcoll)  # _set_pg_timeout (dist.breakpoint) reaches streamcoll groups
     if BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
         return
     with warnings.catch_warnings():

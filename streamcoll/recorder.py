@@ -1,8 +1,9 @@
 """The flight recorder's ring: one :class:`FlightRecorder` per communicator,
-written by the launch path (:mod:`streamcoll.launch`), read by the watchdog
-and by the dumps and analysis of :mod:`streamcoll.flight` (where the layout
-and its costs are described). A module of its own so that importing
-streamcoll does not import :mod:`streamcoll.flight`, which runs as a command
+written by the launch path (:mod:`streamcoll.launch`), read by the watchdog,
+by the dumps (:func:`snapshot`, :func:`dump`: here, next to the ring they
+read) and by the analysis of :mod:`streamcoll.flight` (where the layout and
+its costs are described). A module of its own so that importing streamcoll
+does not import :mod:`streamcoll.flight`, which runs as a command
 (``python -m streamcoll.flight``).
 
 Where dumps go is decided here too (:func:`default_dir`,
@@ -19,19 +20,24 @@ renamed into place."""
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
+import re
 import secrets
+import socket
 import stat
 import tempfile
 import time
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
+from . import hooks as _hooks
+from . import spec
 from .env_vars import read_int
 
-__all__ = ["FlightRecorder", "FlightEntry", "attach", "default_dir", "open_dump_dir", "write_private",
-           "ENQUEUED", "RUNNING", "LAUNCHED", "COMPLETED", "FAILED", "P2P_GROUP", "COALESCED_P2P"]
+__all__ = ["FlightRecorder", "FlightEntry", "attach", "snapshot", "dump", "default_dir", "open_dump_dir",
+           "write_private", "ENQUEUED", "RUNNING", "LAUNCHED", "COMPLETED", "FAILED", "P2P_GROUP", "COALESCED_P2P"]
 
 # States.
 ENQUEUED = "enqueued"    # async, waiting for the comm thread
@@ -359,3 +365,110 @@ def attach(comm: Any) -> FlightRecorder:
     return FlightRecorder(_capacity())
 
 
+# ----------------------------------------------------------------- dumping
+# The JSON record of a communicator's ring (read by ``python -m
+# streamcoll.flight analyze``, which holds the format's reader), here next to
+# the ring it reads, so that the communicator's dump_flight_record and the
+# watchdog need nothing above the core (issue 44).
+FORMAT_VERSION = 1
+# What the recorder's entries name point-to-point work: the table's p2p ops and
+# the grouped launches (each advances the p2p count, so has no collective number).
+P2P_ENTRIES = spec.p2p_ops() | {P2P_GROUP, COALESCED_P2P}
+
+
+def _entry_json(comm: Any, fr: FlightRecorder, e: Any, now: int, seen: Optional[int]) -> dict:
+    desc = fr.describe(comm, e)
+    sync = e.sync
+    state = fr.state(comm, e)
+    if sync:
+        t_enq = t_start = seen if state == RUNNING and seen else 0
+        t_end = 0
+    else:
+        t_enq, t_start, t_end = e.t_enq, e.t_start or (e.t_enq if state == LAUNCHED else 0), e.t_end
+    d = {
+        "seq": e.seq,
+        "collective_seq": None if e.op in P2P_ENTRIES else e.seq - e.p2p,
+        "op": e.op,
+        "shapes": desc["shapes"],
+        "dtypes": desc["dtypes"],
+        "strategy": "sync" if sync else "async",
+        "state": state,
+        "enqueued": fr.wall(t_enq),
+        "started": fr.wall(t_start),
+        "ended": fr.wall(t_end),
+        "duration_s": (t_end - t_start) / 1e9 if t_end and t_start else None,
+        "age_s": (now - (t_start or t_enq)) / 1e9 if (t_start or t_enq) else None,
+    }
+    if sync and state == RUNNING:
+        d["started_note"] = "first seen running by the watchdog" if seen else "running; start time not recorded"
+    err = fr.errors.get(e.seq) if sync else e.error
+    if err:
+        d["error"] = err
+    behind = getattr(e, "behind", None)
+    if behind and state in (RUNNING, ENQUEUED):
+        # not inside the library: it waits for the process's turn (issue 33, finding 9)
+        d["waiting_behind"] = behind
+    return d
+
+
+def snapshot(comm: Any, reason: str = "") -> dict:
+    """The JSON-ready flight record of ``comm``."""
+    fr: FlightRecorder = comm._flight
+    now = now_ns()
+    failed = comm._failed
+    es = fr.entries()
+    return {
+        "format": "streamcoll-flight",
+        "version": FORMAT_VERSION,
+        "communicator": comm.name,
+        "backend": comm._backend.name,
+        "device": str(comm._device),
+        "rank": comm._rank,
+        "size": comm._size,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "timeout_s": comm.timeout,
+        "issued": comm._seq,
+        "p2p_issued": comm._p2p,
+        "state": "destroyed" if comm._destroyed else ("failed" if failed is not None else "live"),
+        "failure": None if failed is None else str(failed),
+        "reason": reason,
+        "dumped_at": time.time(),
+        "capacity": fr.capacity,
+        "entries": [_entry_json(comm, fr, e, now, _seen(comm, e)) for e in es],
+    }
+
+
+def _seen(comm: Any, e: Any) -> Optional[int]:
+    """When the watchdog first saw synchronous entry ``e`` running (monotonic ns)."""
+    s = comm._flight.running_since
+    return s[1] if s is not None and s[0] == e.seq else None
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "comm"
+
+
+def dump(comm: Any, path: Optional[str] = None, reason: str = "on request") -> str:
+    """Write ``comm``'s flight record as JSON; returns the file written.
+
+    ``path`` may be a directory (the file is then
+    ``<communicator>.rank<r>.json`` in it) or a file name; default: the
+    directory :func:`default_dir` names, private to this user
+    (:func:`streamcoll.recorder.open_dump_dir` says what is refused and
+    where the dump then goes). The file is 0600, written under a temporary
+    name and renamed (:func:`streamcoll.recorder.write_private`).
+    """
+    if path is None or os.path.isdir(path) or str(path).endswith(os.sep):
+        dfd, d = open_dump_dir(None if path is None else str(path))
+        name = f"{_safe(comm.name)}.rank{comm._rank}.json"
+    else:
+        dfd, d = open_dump_dir(os.path.dirname(os.path.abspath(path)))
+        name = os.path.basename(path)
+    try:
+        write_private(dfd, name, json.dumps(snapshot(comm, reason), indent=1))
+    finally:
+        os.close(dfd)
+    for h in list(_hooks.on_dump):  # torch's format too where its variables ask (streamcoll.fr_torch)
+        h(comm, reason)
+    return os.path.join(d, name)

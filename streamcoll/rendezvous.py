@@ -7,8 +7,10 @@ request per rank; NCCL's bootstrap is a ring among the ranks). Every wait
 passes its own timeout: the caller's store keeps its own.
 
 :mod:`streamcoll.bootstrap` makes the communicator around it (the native
-init, the default communicator) and re-exports :func:`rendezvous` and
-:class:`Meeting` (``streamcoll.bootstrap.rendezvous``).
+init, the default communicator, the unique id that :func:`rendezvous` is
+given as ``make_uid``), re-exports :class:`Meeting`, and offers
+:func:`rendezvous` with the CPU backend's unique id as the default
+(``streamcoll.bootstrap.rendezvous``).
 """
 from __future__ import annotations
 
@@ -423,7 +425,7 @@ def _follow(store: Any, rank: int, world_size: int, timeout: float, cname: str) 
 
 def rendezvous(store: Any, rank: int, world_size: int, *, timeout: Union[float, timedelta],
                facts: Optional[topology.RankFacts] = None,
-               make_uid: Optional[Callable[[topology.Topology, str], bytes]] = None,
+               make_uid: Callable[[topology.Topology, str], bytes],
                name: Optional[str] = None, known: Optional[topology.Topology] = None) -> Meeting:
     """The store part of creating a communicator (collective), in a constant
     number of store requests per rank: 4 here (5 on rank 0), whatever ``world_size``
@@ -450,7 +452,8 @@ def rendezvous(store: Any, rank: int, world_size: int, *, timeout: Union[float, 
        others' timeout messages.
     3. Rank 0 waits for all of them in the server (one ``wait``), reads
        them (one ``multi_get``), runs :func:`topology.compute` once, calls
-       ``make_uid(its topology, the communicator's name)`` (default: the
+       ``make_uid(its topology, the communicator's name)`` (the native
+       side's: :func:`streamcoll.bootstrap.rendezvous` defaults it to the
        CPU backend's unique id) and publishes the layout and the id as one key; the others wait
        for that key and read it. With ``known`` (this group's topology,
        derived from a parent's) rank 0 still waits for every rank but reads
@@ -506,9 +509,6 @@ def rendezvous(store: Any, rank: int, world_size: int, *, timeout: Union[float, 
                     f"or another name=", timed_out=False)
             everyone = [me] + [topology.RankFacts.from_json(v) for v in values]
             topo = topology.Topology(topology.compute(everyone), 0, me)
-        if make_uid is None:  # the CPU backend's, made in bootstrap's environment for native calls
-            from .bootstrap import _default_uid
-            make_uid = _default_uid
         uid = bytes(make_uid(topo, cname))
     except Exception as e:
         if world_size > 1:

@@ -58,7 +58,7 @@ Two jobs here:
   from ``shm_open`` to ``smr_free``, and so do its peers). This holds across
   PID namespaces: where containers share ``/dev/shm`` but not PID
   namespaces, the pid in a name says nothing here (the topology's identity,
-  :func:`streamcoll.topology.host_identity`, tells such ranks apart, but only
+  :func:`streamcoll.hosts.host_identity`, tells such ranks apart, but only
   the ranks of this job, not other jobs' containers), while the kernel's
   open count covers every process. The pid only explains the log line (not
   running here, or running here since after the region was made: reused).

@@ -46,17 +46,19 @@ def set_group_timeout(pg: Any, timeout: Any) -> None:
         c.timeout = s
 
 
-def install() -> None:
-    """Wrap ``torch.distributed.distributed_c10d._set_pg_timeout`` (idempotent)."""
+def install(group_class: type) -> None:
+    """Wrap ``torch.distributed.distributed_c10d._set_pg_timeout`` (idempotent):
+    a group of ``group_class`` (ProcessGroupStreamcoll, passed in by
+    :func:`streamcoll.process_group.register_backend`: this module is below
+    it) gets :func:`set_group_timeout`, every other group torch's own."""
     import torch.distributed.distributed_c10d as c10d
     orig = getattr(c10d, "_set_pg_timeout", None)
     if orig is None or getattr(orig, "_streamcoll", False):
         return
 
     def _set_pg_timeout(timeout: timedelta, group: Any = None) -> None:
-        from .process_group import ProcessGroupStreamcoll
         g = c10d._get_default_group() if group is None else group
-        if isinstance(g, ProcessGroupStreamcoll):
+        if isinstance(g, group_class):
             set_group_timeout(g, timeout)
             return
         orig(timeout, group)

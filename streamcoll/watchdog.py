@@ -53,14 +53,14 @@ communicator's timeout:
 Init is watched the same way through :func:`guard` (a blocking
 ``onecclCommInitRank`` whose peers never come would otherwise wait forever).
 
-NCCL communicators can instead be created non-blocking
-(``STREAMCOLL_NCCL_NONBLOCKING=1``: config ``blocking=0``, as
-``TORCH_NCCL_USE_COMM_NONBLOCKING`` does): init returns ``ncclInProgress`` and
-is polled with ``ncclCommGetAsyncError`` (:func:`nccl_wait_ready`), so an init
-whose peers never come raises :class:`~streamcoll.CollectiveTimeout` after the
-timeout (the communicator is aborted) instead of ending the process; every
-later call on such a communicator that returns ``ncclInProgress`` is polled
-the same way (:func:`make_nonblocking`), as NCCL requires before the next call.
+NCCL communicators created non-blocking (``STREAMCOLL_NCCL_NONBLOCKING=1``)
+are polled by NCCL's own code instead (:func:`streamcoll.backends.nccl_wait_ready`):
+an init whose peers never come raises :class:`~streamcoll.CollectiveTimeout`.
+
+The communicator never imports this module: importing it attaches
+:func:`register`, :func:`handle_timeout` and :func:`skip_native_teardown` to
+the slots of :mod:`streamcoll.hooks`, and the package's ``__init__`` imports
+it (issue 44).
 """
 from __future__ import annotations
 
@@ -72,13 +72,15 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from . import flight, helper_threads, shm_regions
+from . import helper_threads, hooks as _hooks, recorder, shm_regions
+from .backends import _BACKENDS
+from .debug import WAITING
 from .errors import CollectiveTimeout
 
 __all__ = ["EXIT_CODE", "register", "handle_timeout", "skip_native_teardown", "guard", "mode", "Watchdog",
-           "WATCHDOG", "nccl_wait_ready", "make_nonblocking", "nccl_nonblocking_requested", "running_calls"]
+           "WATCHDOG", "running_calls"]
 
 log = logging.getLogger("streamcoll.watchdog")
 
@@ -124,7 +126,7 @@ def _what_to_do(comm: Any) -> str:
 
 def _dump_quietly(comm: Any, reason: str) -> str:
     try:
-        return flight.dump(comm, None, reason)
+        return recorder.dump(comm, None, reason)
     except Exception as e:  # a full disk must not hide the timeout itself
         return f"(could not be written: {e})"
 
@@ -246,7 +248,7 @@ class Watchdog:
             self._wake.clear()
 
     def check(self, comms: List[Any]) -> None:
-        now = flight.now_ns()
+        now = recorder.now_ns()
         for g in list(self._guards.values()):
             what, start, timeout, detail, fired = g
             if not fired and (now - start) / 1e9 > timeout + GRACE_S:
@@ -309,7 +311,7 @@ class Watchdog:
              "other shapes) at this point."),
             f"  Flight record: {path}",
             f"  Collect every rank's dump and run: python -m streamcoll.flight analyze "
-            f"{os.path.dirname(path) if os.path.isabs(path) else flight.default_dir()}",
+            f"{os.path.dirname(path) if os.path.isabs(path) else recorder.default_dir()}",
             f"  What to do: {_what_to_do(comm)}.",
         ]
         if m == "exit":
@@ -385,7 +387,7 @@ class Watchdog:
             return
         key = next(self._keys)
         with self._lock:
-            self._guards[key] = [what, flight.now_ns(), timeout, detail, False]  # ..., fired
+            self._guards[key] = [what, recorder.now_ns(), timeout, detail, False]  # ..., fired
             self._start()
         self._wake.set()  # recompute the interval for this timeout
         try:
@@ -461,16 +463,16 @@ def overdue(comm: Any, fr: Any, cands: List[Any], now: int, limit: float) -> Opt
     for e in cands:
         seq = e.seq  # before the state: the launch thread may reuse a sync entry's slot meanwhile
         st = fr.state(comm, e)
-        if st == flight.RUNNING:
+        if st == recorder.RUNNING:
             if e.sync:
                 continue  # inside its host call again (the slot was reused): _running_sync's business
             age = (now - (e.t_start or e.t_enq)) / 1e9
-        elif st == flight.LAUNCHED and e.event is not None:
+        elif st == recorder.LAUNCHED and e.event is not None:
             age = (now - e.t_enq) / 1e9
         else:
-            if st == flight.COMPLETED:
-                if not e.sync and e.state == flight.LAUNCHED:
-                    e.state = flight.COMPLETED  # no need to query it again
+            if st == recorder.COMPLETED:
+                if not e.sync and e.state == recorder.LAUNCHED:
+                    e.state = recorder.COMPLETED  # no need to query it again
                     e.event = None
                 elif e.sync and e.event is not None:
                     e.event.seen = seq  # a reused slot has a new number: this marks only the old one
@@ -527,11 +529,10 @@ def running_calls() -> List[str]:
     """One line per native call in flight in this process now (synchronous
     calls, and async work on a CPU comm thread), for messages such as the
     one on a Ctrl-C during a stuck call."""
-    from .debug import WAITING
     waits = list(WAITING.values())
     checking = {(c, sq) for c, sq, _ in waits}
     out = []
-    now = flight.now_ns()
+    now = recorder.now_ns()
     with WATCHDOG._lock:
         comms = [c for c in WATCHDOG._comms if not c.destroyed]
     for comm in comms:
@@ -554,7 +555,6 @@ def running_calls() -> List[str]:
                        f"{comm.name!r} (rank {comm.rank} of {comm.size}, {comm.backend}, running for "
                        f"{(now - (inf.t_start or inf.t_enq)) / 1e9:.1f} s)")
     out.extend(line for c, _, line in waits if not c.destroyed)
-    from .backends import _BACKENDS
     for b in list(_BACKENDS.values()):
         ts = b.turnstile
         if ts is not None:
@@ -598,7 +598,6 @@ def register(comm: Any) -> None:
 
 def _init_waits_behind(what: str) -> str:
     """The holder of the turn that the guarded call ``what`` waits for, or ""."""
-    from .backends import _BACKENDS
     for b in list(_BACKENDS.values()):
         ts = b.turnstile
         if ts is not None and what in list(ts.waiters.values()):
@@ -608,7 +607,6 @@ def _init_waits_behind(what: str) -> str:
 
 def _waiting_behind_init(what: str) -> List[str]:
     """The life-cycle calls waiting for the turn that the guarded call ``what`` holds."""
-    from .backends import _BACKENDS
     out: List[str] = []
     for b in list(_BACKENDS.values()):
         ts = b.turnstile
@@ -621,76 +619,8 @@ def guard(what: str, timeout: float, detail: Any = ""):
     return WATCHDOG.guard(what, timeout, detail)
 
 
-# ------------------------------------------------------- non-blocking NCCL
-def nccl_nonblocking_requested() -> bool:
-    return os.environ.get("STREAMCOLL_NCCL_NONBLOCKING", "0").strip().lower() not in ("", "0", "false", "no", "off")
-
-
-def nccl_wait_ready(backend: Any, handle: Any, timeout: Optional[float], what: str,
-                    rank: int = -1, size: int = -1,
-                    abort: Optional[Callable[[BaseException], Any]] = None) -> None:
-    """Poll ``ncclCommGetAsyncError`` until a non-blocking NCCL communicator
-    left ``ncclInProgress``. An error state raises the library error; past
-    ``timeout`` seconds :class:`CollectiveTimeout` is raised. Either way the
-    native communicator is aborted first: by ``abort(error)`` where a
-    :class:`~streamcoll.Communicator` owns the handle (its own abort path
-    marks it failed before ``ncclCommAbort`` frees the handle, so no launch,
-    watchdog query or ``destroy()`` uses the freed pointer), else
-    (``abort`` None: an init or split whose handle nobody else holds yet)
-    with ``ncclCommAbort`` directly."""
-    lib, ffi, binding = backend.lib(), backend.ffi, backend.binding
-
-    def _abort_with(err: BaseException) -> None:
-        try:
-            if abort is not None:
-                abort(err)
-            else:
-                lib.ncclCommAbort(handle)
-        except Exception:
-            pass
-
-    in_progress = binding.const("ncclInProgress")
-    state = ffi.new("ncclResult_t *")
-    deadline = None if timeout is None else time.monotonic() + timeout
-    pause = 1e-4
-    while True:
-        rc = lib.ncclCommGetAsyncError(handle, state)
-        if rc:
-            raise binding.error("ncclCommGetAsyncError", rc, handle)
-        s = int(state[0])
-        if s == 0:
-            return
-        if s != in_progress:
-            err: BaseException = binding.error(f"{what} (asynchronous error)", s, handle)
-            _abort_with(err)
-            raise err
-        if deadline is not None and time.monotonic() > deadline:
-            err = CollectiveTimeout(what, 0, float(timeout or 0.0), [], rank, size,
-                                    "the non-blocking NCCL communicator stayed ncclInProgress; it was aborted "
-                                    "(ncclCommAbort). Check that every rank started and can reach the others")
-            _abort_with(err)
-            raise err
-        time.sleep(pause)
-        pause = min(pause * 2, 0.01)
-
-
-def make_nonblocking(comm: Any) -> None:
-    """Poll ``ncclInProgress`` of ``comm``'s calls to completion (or its
-    error, or the communicator's timeout) before the call returns, as a
-    non-blocking communicator requires: an rc hook, so the launch path (and
-    its fast paths) are the same as for a blocking communicator."""
-    backend = comm._backend
-    in_progress = backend.binding.const("ncclInProgress")
-
-    def fail(err: BaseException) -> None:
-        comm.mark_failed(err)  # every launcher refuses from here on
-        comm.abort()  # ncclCommAbort once, then the handle, fast paths and events are dropped
-
-    def poll(cname: str, rc: int) -> bool:
-        if rc != in_progress:
-            return False
-        nccl_wait_ready(backend, comm._handle, comm.timeout, cname, comm.rank, comm.size, abort=fail)
-        return True
-
-    comm.register_rc_hook(poll)
-    comm.nonblocking = True
+# ------------------------------------------------------- attached to the core
+# (streamcoll.hooks: the communicator never imports this module)
+_hooks.on_create.append(register)
+_hooks.on_timeout = handle_timeout
+_hooks.teardown_guard = skip_native_teardown

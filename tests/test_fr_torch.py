@@ -19,7 +19,7 @@ from conftest import needs_oneccl
 from world import free_port
 
 _HANG = r"""
-import os, sys, time, datetime, torch, torch.distributed as dist, streamcoll
+import os, sys, time, datetime, torch, torch.distributed as dist, streamcoll, streamcoll.flight
 rank = int(os.environ["RANK"]); port = int(os.environ["MASTER_PORT"])
 store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, datetime.timedelta(seconds=60))
 c = streamcoll.new_communicator(backend="oneccl", device="cpu", store=store, rank=rank, world_size=2,
@@ -76,7 +76,7 @@ def test_fr_trace_names_the_rank_that_never_joined(tmp_path):
 
 
 _MIXED = r"""
-import os, sys, time, datetime, torch, torch.distributed as dist, streamcoll
+import os, sys, time, datetime, torch, torch.distributed as dist, streamcoll, streamcoll.flight
 rank = int(os.environ["RANK"]); out = sys.argv[1]
 dist.init_process_group("streamcoll", timeout=datetime.timedelta(seconds=30))
 side = dist.new_group([0, 1], backend="gloo")

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import streamcoll
-from streamcoll import helper_threads, recorder, watchdog
+from streamcoll import backends, helper_threads, recorder, watchdog
 from streamcoll._ffi.cudart import CUDART
 
 _CI = any(os.environ.get(v, "") not in ("", "0", "false") for v in ("CI", "STREAMCOLL_REQUIRE_ABI"))
@@ -514,7 +514,7 @@ def _nonblocking_stand_in(state: int):
             self._handle = None  # the Communicator drops the freed pointer
 
     c = Comm()
-    watchdog.make_nonblocking(c)
+    backends.make_nonblocking(c)
     return c, lib, order
 
 

@@ -1,12 +1,17 @@
-"""The package's layout (issue 37): no module over 800 lines (a module that
-grows past it is split by concern, as communicator.py and bootstrap.py
-were), and no import circle among the modules' top-level imports, those
-under ``if TYPE_CHECKING:`` included (imports inside functions, made at run
-time, are not counted)."""
+"""The package's layout (issues 37 and 44): no module over 800 lines (a
+module that grows past it is split by concern, as communicator.py and
+bootstrap.py were); no import circle, counting every import a module makes:
+top-level ones, those under ``if TYPE_CHECKING:`` and those inside
+functions (an import deferred to run time still ties the two modules: it only
+hides the circle from the first import); and imports one way through the
+layers of :data:`LAYERS`, so that the core never imports the diagnostics
+that observe it (they attach through :mod:`streamcoll.hooks`)."""
 from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 from typing import Dict, List, Set
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,20 +50,10 @@ def test_no_module_is_over_800_lines():
     assert long == {}, f"modules over {MAX_LINES} lines (split them by concern): {long}"
 
 
-def _top_level_imports(tree: ast.Module) -> List[ast.stmt]:
-    """The module body's imports and those inside its top-level ``if``/``try``
-    blocks (``if TYPE_CHECKING:``), not those in functions or classes."""
-    out: List[ast.stmt] = []
-    todo = list(tree.body)
-    while todo:
-        n = todo.pop()
-        if isinstance(n, (ast.Import, ast.ImportFrom)):
-            out.append(n)
-        elif isinstance(n, ast.If):
-            todo += n.body + n.orelse
-        elif isinstance(n, ast.Try):
-            todo += n.body + n.orelse + n.finalbody + [s for h in n.handlers for s in h.body]
-    return out
+def _imports(tree: ast.Module) -> List[ast.stmt]:
+    """Every import statement of the module, wherever it stands: the body,
+    ``if TYPE_CHECKING:`` and ``try`` blocks, functions, methods, classes."""
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
 
 
 def _graph(mods: Dict[str, str]) -> Dict[str, Set[str]]:
@@ -67,7 +62,7 @@ def _graph(mods: Dict[str, str]) -> Dict[str, Set[str]]:
         package = m if os.path.basename(path).startswith("__init__.") else m.rsplit(".", 1)[0]
         with open(path, encoding="utf-8") as fh:
             tree = ast.parse(fh.read(), path)
-        for n in _top_level_imports(tree):
+        for n in _imports(tree):
             if isinstance(n, ast.Import):
                 targets = [a.name for a in n.names]
             else:
@@ -119,10 +114,131 @@ def _circles(g: Dict[str, Set[str]]) -> List[List[str]]:
     return out
 
 
-def test_no_import_circle_among_top_level_imports():
-    """A circle here is one a type checker follows too (``TYPE_CHECKING``
-    imports count): the bases of Communicator and env's protocols exist so
-    that there is none."""
+def test_no_import_circle():
+    """Function-level imports count: one that closes a circle is what made
+    the core depend on its observers (issue 44). ``TYPE_CHECKING`` imports
+    count too: a type checker follows them."""
     g = _graph(_modules())
     assert g["streamcoll.communicator"] >= {"streamcoll.p2p", "streamcoll.fast_paths"}  # the graph is read
-    assert _circles(g) == []
+    assert "streamcoll.process_group" in g["streamcoll"]  # and the package face's imports
+    circles = _circles(g)
+    assert circles == [], "import circles (every import counted): " + "; ".join(
+        " ".join(sorted(m.replace("streamcoll.", "") for m in c)) for c in circles)
+
+
+# The layers, lowest first: a module imports only modules of its own layer or
+# lower ones (issue 44). binding: the C declarations and the library
+# loaders (and the exception family they raise); core: what launches
+# collectives, records them and checks them before the launch; diagnostics:
+# what observes the core (the watchdog, flight dumps and their analysis,
+# signals, /dev/shm cleanup), attached through streamcoll.hooks; start-up:
+# finding the ranks, the hosts and the environment, and making a
+# communicator; integrations: torch.distributed's process group, torch.compile's
+# ops, DDP-style gradient sync; face: the package and its commands.
+ORDER = ["binding", "core", "diagnostics", "start-up", "integrations", "face"]
+LAYERS: Dict[str, str] = {
+    "streamcoll._ffi": "binding",  # and every module under it
+    "streamcoll._native": "binding",
+    "streamcoll.errors": "binding",
+
+    "streamcoll.ops": "core",
+    "streamcoll.spec": "core",
+    "streamcoll.validation": "core",
+    "streamcoll.timeouts": "core",
+    "streamcoll.env_vars": "core",
+    "streamcoll.profiling": "core",
+    "streamcoll.turnstile": "core",
+    "streamcoll.helper_threads": "core",
+    "streamcoll.callbacks": "core",
+    "streamcoll.sync_events": "core",
+    "streamcoll.streams": "core",
+    "streamcoll.work": "core",
+    "streamcoll.plans": "core",
+    "streamcoll.recorder": "core",
+    "streamcoll.launch": "core",
+    "streamcoll.fast_paths": "core",
+    "streamcoll.general_methods": "core",
+    "streamcoll._methods": "core",
+    "streamcoll.debug": "core",
+    "streamcoll.hooks": "core",
+    "streamcoll.backends": "core",
+    "streamcoll.async_launch": "core",
+    "streamcoll.p2p": "core",
+    "streamcoll.communicator": "core",
+
+    "streamcoll.watchdog": "diagnostics",
+    "streamcoll.flight": "diagnostics",
+    "streamcoll.fr_torch": "diagnostics",
+    "streamcoll.signals": "diagnostics",
+    "streamcoll.shm_regions": "diagnostics",
+
+    "streamcoll.hosts": "start-up",
+    "streamcoll.logs": "start-up",
+    "streamcoll.launchers": "start-up",
+    "streamcoll.topology": "start-up",
+    "streamcoll.env": "start-up",
+    "streamcoll.rendezvous": "start-up",
+    "streamcoll.bootstrap": "start-up",
+    "streamcoll.install": "start-up",
+
+    "streamcoll.process_group": "integrations",
+    "streamcoll.torch_hooks": "integrations",
+    "streamcoll.custom_ops": "integrations",
+    "streamcoll.grad_sync": "integrations",
+
+    "streamcoll": "face",
+    "streamcoll.__main__": "face",
+    "streamcoll.collectives": "face",
+    "streamcoll._stubgen": "face",
+    "streamcoll.bench": "face",  # and every module under it
+}
+
+
+def _layer(m: str) -> str:
+    """``m``'s layer: its own entry, else its nearest package's."""
+    name = m
+    while name not in LAYERS and "." in name:
+        name = name.rsplit(".", 1)[0]
+    if name == "streamcoll" and m != "streamcoll":
+        return ""  # a module of the package that LAYERS does not place
+    return LAYERS.get(name, "")
+
+
+def test_every_module_has_a_layer():
+    mods = _modules()
+    unplaced = sorted(m for m in mods if not _layer(m))
+    assert unplaced == [], f"modules without a layer (add them to LAYERS, where they belong): {unplaced}"
+    assert sorted(m for m in LAYERS if m not in mods) == [], "LAYERS names modules that do not exist"
+    assert set(LAYERS.values()) <= set(ORDER)
+
+
+def test_no_module_imports_a_higher_layer():
+    """The core never imports the diagnostics (they attach to it through
+    streamcoll.hooks), nothing below start-up imports it, and so on up."""
+    g = _graph(_modules())
+    up = sorted(f"{m} ({_layer(m)}) -> {t} ({_layer(t)})" for m, ts in g.items() for t in ts
+                if _layer(m) and _layer(t) and ORDER.index(_layer(t)) > ORDER.index(_layer(m)))
+    assert up == [], "imports of a higher layer:\n" + "\n".join(up)
+
+
+def test_observers_attach_whichever_module_is_imported_first():
+    """The core calls the watchdog and torch-format dumps through
+    streamcoll.hooks, never by import: importing a core module alone (which
+    runs the package's __init__ first) must find every slot filled, so no
+    communicator is created unwatched. ``python -m streamcoll.flight`` still
+    runs without the runpy warning (the package does not import flight)."""
+    code = ("import sys, warnings\n"
+            "warnings.simplefilter('error')\n"
+            "import streamcoll.communicator\n"
+            "from streamcoll import hooks, watchdog, fr_torch\n"
+            "assert hooks.on_create == [watchdog.register], hooks.on_create\n"
+            "assert hooks.on_timeout is watchdog.handle_timeout\n"
+            "assert hooks.teardown_guard is watchdog.skip_native_teardown\n"
+            "assert hooks.on_dump == [fr_torch._after_dump], hooks.on_dump\n"
+            "assert 'streamcoll.flight' not in sys.modules\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "streamcoll.flight", "--help"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "RuntimeWarning" not in p.stderr, p.stderr[-3000:]
