@@ -40,8 +40,11 @@ eagerly); one compiled function must not run concurrently in two threads (its
 event slots are shared); ``stream=`` is not supported inside a compiled
 region.
 """
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: torch.library.custom_op
+# infers each op's schema from its annotations, and torch 2.4 rejects string
+# annotations ("unsupported type _Tensor"; 2.5-2.6 evaluate them in torch's
+# namespace, 2.7 reads them): real objects work on every torch. The
+# generated ops are compiled with dont_inherit=True for the same reason.
 import linecache
 import threading
 from typing import Any, Dict, List, Optional, Tuple
@@ -192,6 +195,16 @@ def _op_parts(op: Any) -> Tuple[str, _Tensor]:
     :func:`_op_name`; their factor is 1."""
     if isinstance(op, PreMulSum):
         return "PREMUL_SUM", op.tensor
+    if not isinstance(op, (ReduceOp, str)):
+        # torch.distributed.ReduceOp.SUM (a RedOpType): torch 2.11's Dynamo
+        # cannot pass it into a constant-result function (it calls
+        # as_python_constant() on it) nor trace int(op), == or a dict lookup
+        # of it; its ``.name`` traces on every torch. A dist.ReduceOp
+        # instance (``.op`` wraps the RedOpType) and anything else go as
+        # they are: canonical_op names them or raises.
+        name = getattr(op, "name", None)
+        if isinstance(name, str):
+            op = name
     return _op_name(op), _ONE
 
 
@@ -353,7 +366,7 @@ def _install() -> None:
         src, ops = _sources(s)
         filename = f"<streamcoll generated custom ops {name}>"
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-        exec(compile(src, filename, "exec"), g)
+        exec(compile(src, filename, "exec", dont_inherit=True), g)
         SIDE_EFFECT_OPS.extend(g[o] for o in ops)
         __all__.extend([name, f"functional_{name}"])
 
