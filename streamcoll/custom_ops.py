@@ -53,6 +53,7 @@ import torch
 
 from . import bootstrap
 from . import spec as _spec
+from . import torch_version as _tv
 from .communicator import Communicator, communicator_by_id
 from .ops import PreMulSum, ReduceOp, canonical_op
 
@@ -328,6 +329,7 @@ def _sources(s: _spec.CollectiveSpec) -> Tuple[str, List[str]]:
     ts = "[" + ", ".join(p.name for p in sorted(bufs, key=lambda p: not p.mutable)) + "]"
     src += [f"def {s.name}({wsig}):",
             f'    """``streamcoll.{s.name}`` as custom ops (what it does under torch.compile)."""',
+            "    _compile_gate()",
             f"    _no_stream(stream, {s.name!r})",
             "    cid = comm_id(group)"]
     if red:
@@ -349,9 +351,21 @@ def _sources(s: _spec.CollectiveSpec) -> Tuple[str, List[str]]:
                       + (["_comm_size(group)"] if shape in ("gather", "scatter") else []))
     src += [f"def functional_{s.name}({', '.join(pub)}):",
             f'    """A new tensor: the result of {s.name} of ``input`` across ranks (inputs untouched)."""',
+            "    _compile_gate()",
             f"    return torch.ops.streamcoll.{s.name}({pargs})",
             ""]
     return "\n".join(src), [f"{s.name}_", f"{s.name}_functional"]
+
+
+def _compile_gate() -> None:
+    """Below torch 2.10 a collective inside torch.compile refuses, naming the
+    release (streamcoll/torch_version.py). On a supported torch this is a
+    constant test Dynamo folds away."""
+    if not _tv.SUPPORTED and torch.compiler.is_compiling():
+        _tv.require_torch("a streamcoll collective inside torch.compile",
+                          "older torch.compile removes an in-place collective whose result is unused "
+                          "(its auto_functionalized form is not kept as a side effect before 2.10), "
+                          "so one rank would skip a collective its peers run")
 
 
 def _lst(x: Any) -> Optional[List[int]]:
@@ -483,6 +497,7 @@ def _start(cid: int, tensors: List[_Tensor]) -> Tuple[int, int, int]:
 
 def barrier(group: Optional[Communicator] = None, async_op: bool = False, device_ids: Any = None) -> None:
     """Inside a compiled region barrier is synchronous (``async_op`` is ignored)."""
+    _compile_gate()
     torch.ops.streamcoll.barrier(comm_id(group))
     return None
 
