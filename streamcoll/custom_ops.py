@@ -351,21 +351,32 @@ def _sources(s: _spec.CollectiveSpec) -> Tuple[str, List[str]]:
                       + (["_comm_size(group)"] if shape in ("gather", "scatter") else []))
     src += [f"def functional_{s.name}({', '.join(pub)}):",
             f'    """A new tensor: the result of {s.name} of ``input`` across ranks (inputs untouched)."""',
-            "    _compile_gate()",
+            "    if _COMPILE_REFUSAL is not None and torch.compiler.is_compiling():",
+            "        _compile_gate()",
             f"    return torch.ops.streamcoll.{s.name}({pargs})",
             ""]
     return "\n".join(src), [f"{s.name}_", f"{s.name}_functional"]
 
 
+# Below torch 2.10 a collective inside torch.compile refuses, naming the
+# release (streamcoll/torch_version.py). The message is made here, at
+# import: Dynamo then traces only a constant test and a raise (torch 2.4's
+# Dynamo cannot trace the version parsing).
+_COMPILE_REFUSAL = _tv.refusal(
+    "a streamcoll collective inside torch.compile",
+    "older torch.compile removes an in-place collective whose result is unused (its auto_functionalized "
+    "form is not kept as a side effect before 2.10), so one rank would skip a collective its peers run")
+
+
+@assume_constant_result
 def _compile_gate() -> None:
-    """Below torch 2.10 a collective inside torch.compile refuses, naming the
-    release (streamcoll/torch_version.py). On a supported torch this is a
-    constant test Dynamo folds away."""
-    if not _tv.SUPPORTED and torch.compiler.is_compiling():
-        _tv.require_torch("a streamcoll collective inside torch.compile",
-                          "older torch.compile removes an in-place collective whose result is unused "
-                          "(its auto_functionalized form is not kept as a side effect before 2.10), "
-                          "so one rank would skip a collective its peers run")
+    """Raise :data:`_COMPILE_REFUSAL` (called only while compiling). Marked
+    constant-result: Dynamo runs it as plain Python at trace time, so the
+    error reaches the user as it is (torch 2.4's Dynamo cannot trace the
+    construction of an exception class of ours); on a supported torch it
+    returns None."""
+    if _COMPILE_REFUSAL is not None:
+        raise _tv.TorchVersionError(_COMPILE_REFUSAL)
 
 
 def _lst(x: Any) -> Optional[List[int]]:

@@ -30,7 +30,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["TORCH_FLOOR", "TorchVersionError", "torch_release", "require_torch"]
+__all__ = ["TORCH_FLOOR", "TorchVersionError", "torch_release", "refusal", "require_torch"]
 
 TORCH_FLOOR: Tuple[int, int] = (2, 10)
 
@@ -51,12 +51,20 @@ def torch_release(version: Optional[str] = None) -> Tuple[int, int]:
 SUPPORTED: bool = torch_release() >= TORCH_FLOOR
 
 
+def refusal(feature: str, why: str, version: Optional[str] = None) -> Optional[str]:
+    """The error message for ``feature`` on ``version`` (default: the running
+    torch's), or None where it is at or above the floor."""
+    version = torch.__version__ if version is None else version
+    if torch_release(version) >= TORCH_FLOOR:
+        return None
+    floor = "%d.%d" % TORCH_FLOOR
+    return (f"{feature} needs torch >= {floor}, this is torch {version}: {why}. "
+            f"Install torch>={floor} (docs/versions.md lists the tested releases).")
+
+
 def require_torch(feature: str, why: str, version: Optional[str] = None) -> None:
     """Raise :class:`TorchVersionError` if ``version`` (default: the running
     torch's) is below the floor."""
-    version = torch.__version__ if version is None else version
-    if torch_release(version) >= TORCH_FLOOR:
-        return
-    floor = "%d.%d" % TORCH_FLOOR
-    raise TorchVersionError(f"{feature} needs torch >= {floor}, this is torch {version}: {why}. "
-                            f"Install torch>={floor} (docs/versions.md lists the tested releases).")
+    msg = refusal(feature, why, version)
+    if msg is not None:
+        raise TorchVersionError(msg)

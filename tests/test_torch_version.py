@@ -57,8 +57,9 @@ def test_process_group_refuses_an_older_torch(monkeypatch):
 
 def test_compile_refuses_an_older_torch(monkeypatch):
     import torch._dynamo
-    monkeypatch.setattr(torch, "__version__", "2.9.1+cu128")
-    monkeypatch.setattr(torch_version, "SUPPORTED", False)
+    from streamcoll import custom_ops
+    monkeypatch.setattr(custom_ops, "_COMPILE_REFUSAL", torch_version.refusal(
+        "a streamcoll collective inside torch.compile", "why", "2.9.1+cu128"))
 
     def fn(x):
         streamcoll.barrier()
