@@ -23,7 +23,8 @@ export STREAMCOLL_REQUIRE_ABI=1
 #
 # Then the version matrix (scripts/matrix.sh: the declared Python x torch
 # range, each pair in a venv of its own, made once per machine under
-# $STREAMCOLL_HOME/matrix; about 15 min here once they exist). It runs for
+# $STREAMCOLL_HOME/matrix: 8.5 min here once they exist, about 7 min and
+# 17 GB more to make them the first time; docs/versions.md). It runs for
 # the full command (no arguments: what CI runs) unless STREAMCOLL_MATRIX=0,
 # and for a run with pytest arguments only with STREAMCOLL_MATRIX=1. The
 # exit status is pytest's where pytest failed, else the matrix's. pytest is
