@@ -20,4 +20,32 @@ PY="${PYTHON:-python3}"
 export STREAMCOLL_REQUIRE_ABI=1
 # Two cores: multi-process worlds run one module at a time (xdist_group), the
 # rest spreads over two pytest workers.
-exec "$PY" -m pytest -n 2 --dist loadgroup "$@"
+#
+# Then the version matrix (scripts/matrix.sh: the declared Python x torch
+# range, each pair in a venv of its own, made once per machine under
+# $STREAMCOLL_HOME/matrix: 8.5 min here once they exist, about 7 min and
+# 17 GB more to make them the first time; docs/versions.md). It runs for
+# the full command (no arguments: what CI runs) unless STREAMCOLL_MATRIX=0,
+# and for a run with pytest arguments only with STREAMCOLL_MATRIX=1. The
+# exit status is pytest's where pytest failed, else the matrix's. pytest is
+# no longer exec'd (the matrix runs after it): Ctrl-C still reaches pytest
+# (the terminal's process group) and stops the script; a SIGTERM for this
+# script's pid alone takes effect when the running step ends: signal the
+# process group (kill -- -PGID), as CI's timeouts do.
+matrix="${STREAMCOLL_MATRIX:-}"
+if [ -z "$matrix" ]; then matrix=$([ "$#" = 0 ] && echo 1 || echo 0); fi
+set +e
+"$PY" -m pytest -n 2 --dist loadgroup "$@"
+rc=$?
+set -e
+# Interrupted (2), killed by a signal (>128), a usage error (4): stop here.
+if [ "$matrix" != 1 ] || [ "$rc" = 2 ] || [ "$rc" = 4 ] || [ "$rc" -gt 128 ]; then
+  [ "$matrix" = 1 ] && echo "[test] pytest exited $rc: the version matrix was not run" >&2
+  exit "$rc"
+fi
+set +e
+bash scripts/matrix.sh
+mrc=$?
+set -e
+[ "$rc" = 0 ] || { echo "[test] pytest exited $rc (the version matrix exited $mrc)" >&2; exit "$rc"; }
+exit "$mrc"

@@ -42,6 +42,8 @@ def _library_report(binding, out: TextIO) -> None:
         w(f"  version: {binding.version_string()} ({binding.version()})\n")
     except Exception as e:
         w(f"  version: unknown ({type(e).__name__}: {e})\n")
+    for line in declarations_report(binding):
+        w(f"  {line}\n")
     w("  looked, in order:\n")
     for i, t in enumerate(binding.tried, 1):
         w(f"    {i}. {t}\n")
@@ -50,6 +52,60 @@ def _library_report(binding, out: TextIO) -> None:
         w("  not reached (after the one loaded):\n")
         for desc, path in rest:
             w(f"    - {desc}: {path or 'not set'}\n")
+
+
+def _release(s: str) -> Tuple[int, ...]:
+    """``"2.32.3"`` -> ``(2, 32, 3)`` (a part that is not a number ends it)."""
+    out = []
+    for part in s.split("."):
+        if not part.isdigit():
+            break
+        out.append(int(part))
+    return tuple(out)
+
+
+def declarations_report(binding) -> List[str]:
+    """Which loaded release against which declarations (issue 43: torch's
+    CUDA builds bring their own NCCL, e.g. 2.20.5 with torch 2.4 and 2.28.9
+    with torch 2.11, older than the declarations), and a WARNING naming
+    every declared function the loaded library does not export: calling one
+    raises FunctionNotFoundError (it never fails at import). Always a
+    release line; never raises."""
+    declared = binding.declared_version
+    try:
+        loaded = "%d.%d.%d" % binding.split_version(binding.version())
+    except Exception as e:
+        return [f"against: declarations of {binding.name} {declared}; the loaded release is unknown "
+                f"({type(e).__name__}: {e})"]
+    n = len(_release(declared))
+    have, want = _release(loaded)[:n], _release(declared)
+    how = ("the same release" if have == want else
+           "older than the declarations" if have < want else
+           "newer than the declarations (what it adds is not declared, so not used)")
+    lines = [f"against: {binding.name} {loaded} loaded, declarations of {declared} "
+             f"(streamcoll/_native/{binding.declarations}.h): {how}"]
+    raw = binding._raw
+    missing = []
+    for name in dir(raw):  # the declared functions and constants
+        try:
+            getattr(raw, name)
+        except AttributeError:  # a constant always resolves: a function the library lacks
+            missing.append(name)
+        except Exception:
+            continue
+    if missing:
+        need = binding.min_versions
+        listed = ", ".join(f"{m} ({need[m]})" if m in need else m for m in sorted(missing))
+        # Older than the declarations: what the declarations assume is not
+        # there. Otherwise a function the header declares but this build
+        # does not export (oneCCL 2022.2 marks two "not implemented").
+        head = "WARNING" if have < want else "note"
+        lines.append(f"{head}: {binding.name} {loaded} lacks {len(missing)} declared function(s); "
+                     f"calling one raises FunctionNotFoundError (release that has it in brackets): {listed}")
+    elif have < want:
+        lines.append(f"note: every declared function is exported; structs and enums follow "
+                     f"{declared}'s layout (NCCL's ncclConfig_t is prefix-compatible, copied by its size)")
+    return lines
 
 
 def _not_reached(binding) -> List[tuple]:

@@ -40,8 +40,11 @@ eagerly); one compiled function must not run concurrently in two threads (its
 event slots are shared); ``stream=`` is not supported inside a compiled
 region.
 """
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: torch.library.custom_op
+# infers each op's schema from its annotations, and torch 2.4 rejects string
+# annotations ("unsupported type _Tensor"; 2.5-2.6 evaluate them in torch's
+# namespace, 2.7 reads them): real objects work on every torch. The
+# generated ops are compiled with dont_inherit=True for the same reason.
 import linecache
 import threading
 from typing import Any, Dict, List, Optional, Tuple
@@ -50,6 +53,7 @@ import torch
 
 from . import bootstrap
 from . import spec as _spec
+from . import torch_version as _tv
 from .communicator import Communicator, communicator_by_id
 from .ops import PreMulSum, ReduceOp, canonical_op
 
@@ -192,6 +196,16 @@ def _op_parts(op: Any) -> Tuple[str, _Tensor]:
     :func:`_op_name`; their factor is 1."""
     if isinstance(op, PreMulSum):
         return "PREMUL_SUM", op.tensor
+    if not isinstance(op, (ReduceOp, str)):
+        # torch.distributed.ReduceOp.SUM (a RedOpType): torch 2.11's Dynamo
+        # cannot pass it into a constant-result function (it calls
+        # as_python_constant() on it) nor trace int(op), == or a dict lookup
+        # of it; its ``.name`` traces on every torch. A dist.ReduceOp
+        # instance (``.op`` wraps the RedOpType) and anything else go as
+        # they are: canonical_op names them or raises.
+        name = getattr(op, "name", None)
+        if isinstance(name, str):
+            op = name
     return _op_name(op), _ONE
 
 
@@ -315,6 +329,7 @@ def _sources(s: _spec.CollectiveSpec) -> Tuple[str, List[str]]:
     ts = "[" + ", ".join(p.name for p in sorted(bufs, key=lambda p: not p.mutable)) + "]"
     src += [f"def {s.name}({wsig}):",
             f'    """``streamcoll.{s.name}`` as custom ops (what it does under torch.compile)."""',
+            "    _compile_gate()",
             f"    _no_stream(stream, {s.name!r})",
             "    cid = comm_id(group)"]
     if red:
@@ -336,9 +351,32 @@ def _sources(s: _spec.CollectiveSpec) -> Tuple[str, List[str]]:
                       + (["_comm_size(group)"] if shape in ("gather", "scatter") else []))
     src += [f"def functional_{s.name}({', '.join(pub)}):",
             f'    """A new tensor: the result of {s.name} of ``input`` across ranks (inputs untouched)."""',
+            "    if _COMPILE_REFUSAL is not None and torch.compiler.is_compiling():",
+            "        _compile_gate()",
             f"    return torch.ops.streamcoll.{s.name}({pargs})",
             ""]
     return "\n".join(src), [f"{s.name}_", f"{s.name}_functional"]
+
+
+# Below torch 2.10 a collective inside torch.compile refuses, naming the
+# release (streamcoll/torch_version.py). The message is made here, at
+# import: Dynamo then traces only a constant test and a raise (torch 2.4's
+# Dynamo cannot trace the version parsing).
+_COMPILE_REFUSAL = _tv.refusal(
+    "a streamcoll collective inside torch.compile",
+    "older torch.compile removes an in-place collective whose result is unused (its auto_functionalized "
+    "form is not kept as a side effect before 2.10), so one rank would skip a collective its peers run")
+
+
+@assume_constant_result
+def _compile_gate() -> None:
+    """Raise :data:`_COMPILE_REFUSAL` (called only while compiling). Marked
+    constant-result: Dynamo runs it as plain Python at trace time, so the
+    error reaches the user as it is (torch 2.4's Dynamo cannot trace the
+    construction of an exception class of ours); on a supported torch it
+    returns None."""
+    if _COMPILE_REFUSAL is not None:
+        raise _tv.TorchVersionError(_COMPILE_REFUSAL)
 
 
 def _lst(x: Any) -> Optional[List[int]]:
@@ -353,7 +391,7 @@ def _install() -> None:
         src, ops = _sources(s)
         filename = f"<streamcoll generated custom ops {name}>"
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-        exec(compile(src, filename, "exec"), g)
+        exec(compile(src, filename, "exec", dont_inherit=True), g)
         SIDE_EFFECT_OPS.extend(g[o] for o in ops)
         __all__.extend([name, f"functional_{name}"])
 
@@ -470,6 +508,7 @@ def _start(cid: int, tensors: List[_Tensor]) -> Tuple[int, int, int]:
 
 def barrier(group: Optional[Communicator] = None, async_op: bool = False, device_ids: Any = None) -> None:
     """Inside a compiled region barrier is synchronous (``async_op`` is ignored)."""
+    _compile_gate()
     torch.ops.streamcoll.barrier(comm_id(group))
     return None
 

@@ -42,6 +42,7 @@ from .callbacks import Future
 from .communicator import Communicator
 from .errors import CollectiveTimeout, CommunicatorError, RendezvousError
 from .torch_hooks import install as _install_torch_hooks, set_group_timeout
+from .torch_version import require_torch
 
 __all__ = ["ProcessGroupStreamcoll", "StreamcollWork", "create_process_group", "register_backend", "BACKEND_NAME"]
 
@@ -686,6 +687,8 @@ def create_process_group(store: Any, rank: int, world_size: int, timeout: Option
     communicator is not the whole world then runs oneCCL over TCP
     (:func:`streamcoll.env.agreed_defaults`).
     """
+    require_torch('backend="streamcoll"', "on older torch, measured: FSDP2 and DTensor values differ from gloo's "
+                  "and an aborted group hangs (2.7), DDP's constructor hangs (2.6 and older)")
     pg = ProcessGroupStreamcoll(store, rank, world_size, timeout)
     pg._world = not dist.is_initialized()
     if pg._world and _eager_cpu():

@@ -470,3 +470,55 @@ def test_a_broken_venv_copy_does_not_shadow_the_working_runtime(tmp_path, good_r
     assert len(rejected) == 1 and ": rejected: " in rejected[0] and "SYCL build" in rejected[0], res["tried"]
     assert res["tried"][-1] == f"streamcoll runtime: {home}/oneccl/lib/libccl.so.2: loaded"
     assert res["available"] is True and res["sum"] == [3.0] * 4
+
+
+# ---- info: which release against which declarations (issue 43) ------------------
+class _Raw:
+    """A dlopened library as cffi shows it: every declared name is listed;
+    the functions the library does not export raise AttributeError."""
+
+    def __init__(self, exported, missing):
+        self._exported, self._missing = exported, missing
+
+    def __dir__(self):
+        return sorted(self._exported + self._missing)
+
+    def __getattr__(self, name):
+        if name in self.__dict__.get("_missing", ()):
+            raise AttributeError(name)
+        return 0
+
+
+def _stub_binding(code: int, missing=()):
+    class Stub(nccl_mod._Nccl):
+        def version(self):
+            return code
+    b = Stub.__new__(Stub)
+    b._raw = _Raw(["ncclAllReduce", "NCCL_ENCRYPTION_MODE_NONE"], list(missing))
+    return b
+
+
+def test_info_names_an_older_nccl_against_the_declarations_and_what_it_lacks():
+    from streamcoll.__main__ import declarations_report
+    # torch 2.11's own NCCL (2.28.9) under the 2.32.3 declarations
+    lines = declarations_report(_stub_binding(22809, ["ncclAllReduceConfig", "ncclSetEncryption"]))
+    assert lines[0] == ("against: nccl 2.28.9 loaded, declarations of 2.32.3 (streamcoll/_native/nccl.h): "
+                        "older than the declarations")
+    assert lines[1].startswith("WARNING: nccl 2.28.9 lacks 2 declared function(s); calling one raises "
+                               "FunctionNotFoundError")
+    assert "ncclAllReduceConfig (2.32), ncclSetEncryption (2.32)" in lines[1]
+    # older, nothing missing: a note on the layout, no warning
+    lines = declarations_report(_stub_binding(22805))
+    assert "older than the declarations" in lines[0] and lines[1].startswith("note: every declared function")
+    # the same release: one line
+    assert declarations_report(_stub_binding(23203)) == [
+        "against: nccl 2.32.3 loaded, declarations of 2.32.3 (streamcoll/_native/nccl.h): the same release"]
+    assert "newer than the declarations" in declarations_report(_stub_binding(23301))[0]
+
+
+@needs_nccl
+def test_info_prints_the_declarations_line(capsys):
+    out = _info_here(capsys)
+    nccl = out.split("\nnccl:\n", 1)[1]
+    v = nccl_mod.NCCL.version_string()
+    assert f"  against: nccl {v} loaded, declarations of 2.32.3 (streamcoll/_native/nccl.h): " in nccl
