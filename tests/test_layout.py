@@ -185,6 +185,7 @@ LAYERS: Dict[str, str] = {
     "streamcoll.torch_hooks": "integrations",
     "streamcoll.custom_ops": "integrations",
     "streamcoll.grad_sync": "integrations",
+    "streamcoll.torch_version": "integrations",
 
     "streamcoll": "face",
     "streamcoll.__main__": "face",
