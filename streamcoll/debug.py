@@ -194,17 +194,23 @@ def _compare(fps: List[dict], size: int) -> Tuple[Optional[str], List[int]]:
 
 
 # Store connections of deferred checks no longer used, per store (store ->
-# [clones], held weakly: a store nobody holds any more takes its spares with
-# it): a destroyed communicator's clone serves the next communicator on the
-# same store (a split's children share their parent's). Opening a TCPStore
+# [clones], held weakly): a destroyed communicator's clone serves the next
+# communicator on the same store object, kept only while another live
+# communicator holds that store (a split's children share their parent's:
+# :data:`_USERS` counts the first-call checks on each store); the last one's
+# destroy closes the store's spares with its own (``release``), so a
+# destroyed communicator keeps no connection open. Opening a TCPStore
 # connection is not cheap: torch names both ends of it by a reverse lookup of
 # the peer's address (``getnameinfo`` in the client's connect and in the
 # server's accept, on the server's one thread), a query to the DNS server for
 # ``::ffff:127.0.0.1``, which /etc/hosts does not answer; a resolver that drops
 # one query in about 25 (measured here) makes that connect, and every request
 # to the store meanwhile, wait for glibc's 5 s retry. Cleared in a forked child
-# (the parent's sockets are not the child's).
+# (the parent's sockets are not the child's). Not covered: communicators made
+# one after another by ``new_communicator`` or ``dist.new_group`` (each has a
+# PrefixStore of its own over the base store: no spare fits another's).
 _SPARE: "weakref.WeakKeyDictionary[Any, List[Any]]" = weakref.WeakKeyDictionary()
+_USERS: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 _SPARE_LOCK = threading.Lock()
 SPARE_MAX = 4  # kept per store: more communicators than this alive at once each open their own
 
@@ -218,20 +224,41 @@ def _take_spare(store: Any) -> Any:
         return got.pop() if got else None
 
 
-def _give_spare(store: Any, conn: Any) -> None:
+def _use(store: Any) -> None:
+    """A live communicator's first-call checks use ``store``."""
     with _SPARE_LOCK:
         try:
-            got = _SPARE.setdefault(store, [])
+            _USERS[store] = _USERS.get(store, 0) + 1
+        except TypeError:
+            pass
+
+
+def _done_with(store: Any, conn: Any) -> None:
+    """A communicator's checks are done with ``store``: its connection
+    ``conn`` (or None: none, or not reusable) is kept for the next
+    communicator on ``store`` while another one still uses it; the last
+    one's leaves none behind (the spares close as their references go)."""
+    with _SPARE_LOCK:
+        try:
+            n = _USERS.get(store, 1) - 1
         except TypeError:
             return
-        if len(got) < SPARE_MAX:
-            got.append(conn)
+        if n <= 0:
+            _USERS.pop(store, None)
+            _SPARE.pop(store, None)
+            return
+        _USERS[store] = n
+        if conn is not None:
+            got = _SPARE.setdefault(store, [])
+            if len(got) < SPARE_MAX:
+                got.append(conn)
 
 
 def _forget_spares() -> None:
     global _SPARE_LOCK
     _SPARE_LOCK = threading.Lock()  # a parent thread may have held it at fork
     _SPARE.clear()
+    _USERS.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -380,8 +407,11 @@ def release(comm: Any) -> None:
             ch.release()
     for s in sigs:
         st, s._async_store = s._async_store, None
-        if st and not s._async_busy:  # a clone left between requests: the next communicator's
-            _give_spare(s._checker.store, st)
+        if s._released:
+            continue
+        s._released = True
+        # a clone left between requests: the next communicator's on the same store
+        _done_with(s.comm._store, st if st and not s._async_busy else None)
 
 
 def enable(comm: Any) -> None:
@@ -514,6 +544,8 @@ class Signatures:
         self._checker: Optional[_Checker] = None
         self._async_store: Any = None  # the deferred checks' store connection (a clone), or False: none
         self._async_busy = False  # a deferred check did not end normally on it: not handed on (release)
+        self._released = False
+        _use(comm._store)  # counted until release(): spares are kept for a store a live communicator holds
         self.checks = 0
 
     def _key(self, name: str, args: tuple) -> Optional[tuple]:
@@ -610,7 +642,11 @@ class Signatures:
             def checked(*a: Any) -> Any:
                 if self._due(key):  # decided in issue order: a pending check of key has run by now
                     self._async_busy = True  # left so by any exception: the connection may be mid-request
-                    self._check(name, key, counts, st, seq, poll)
+                    try:
+                        self._check(name, key, counts, st, seq, poll)
+                    except MismatchError:
+                        self._async_busy = False  # raised after the check's last request: between requests
+                        raise
                     self._async_busy = False
                 return fn(*a)
 
