@@ -65,8 +65,16 @@ def _setup(comm) -> Dict[str, Any]:
     find torch's default group as they left it: uninitialized) and a second
     streamcoll communicator B over the same ranks."""
     if not _STATE:
-        port = int(os.environ["MASTER_PORT"]) + 7
-        store = dist.TCPStore("127.0.0.1", port, comm.size, comm.rank == 0, timeout=timedelta(seconds=60))
+        # rank 0's store on a port the system picks, sent to the others (a fixed offset from
+        # MASTER_PORT was once in use by another connection: EADDRINUSE in a CI run)
+        port = torch.zeros(1, dtype=torch.int64)
+        if comm.rank == 0:
+            store = dist.TCPStore("127.0.0.1", 0, comm.size, True, timeout=timedelta(seconds=60),
+                                  wait_for_workers=False)
+            port[0] = store.port
+        comm.broadcast(port, 0)
+        if comm.rank != 0:
+            store = dist.TCPStore("127.0.0.1", int(port[0]), comm.size, False, timeout=timedelta(seconds=60))
         _STATE["store"] = store
         _STATE["gloo"] = dist.ProcessGroupGloo(store, comm.rank, comm.size, timedelta(seconds=60))
         _STATE["B"] = comm.split(0)
