@@ -33,7 +33,12 @@ export STREAMCOLL_REQUIRE_ABI=1
 # script's pid alone takes effect when the running step ends: signal the
 # process group (kill -- -PGID), as CI's timeouts do.
 matrix="${STREAMCOLL_MATRIX:-}"
+case "$matrix" in
+  0|1|"") ;;
+  *) echo "[test] STREAMCOLL_MATRIX=$matrix: expected 0 (leave the version matrix out) or 1 (run it)" >&2; exit 2 ;;
+esac
 if [ -z "$matrix" ]; then matrix=$([ "$#" = 0 ] && echo 1 || echo 0); fi
+[ "$matrix" = 0 ] && [ "$#" = 0 ] && echo "[test] the version matrix is NOT RUN (STREAMCOLL_MATRIX=0)" >&2
 set +e
 "$PY" -m pytest -n 2 --dist loadgroup "$@"
 rc=$?

@@ -182,6 +182,11 @@ def _op_name(op: Any) -> str:
     return canonical_op(op)[0]
 
 
+@assume_constant_result
+def _op_factor(op: Any) -> float:
+    return float(canonical_op(op)[1])
+
+
 _ONE = torch.ones((), dtype=torch.float64)  # the factor tensor of every op but PREMUL_SUM
 
 
@@ -201,11 +206,16 @@ def _op_parts(op: Any) -> Tuple[str, _Tensor]:
         # cannot pass it into a constant-result function (it calls
         # as_python_constant() on it) nor trace int(op), == or a dict lookup
         # of it; its ``.name`` traces on every torch. A dist.ReduceOp
-        # instance (``.op`` wraps the RedOpType) and anything else go as
-        # they are: canonical_op names them or raises.
+        # instance (``.op`` wraps the RedOpType; ``_make_nccl_premul_sum(f)``
+        # carries a factor) goes to both constant-result functions, name and
+        # factor (a constant: a graph per factor; torch 2.10/2.11's Dynamo
+        # cannot take an instance there and fails: pass the enum, or
+        # streamcoll.premul_sum(f)); canonical_op names anything else or raises.
         name = getattr(op, "name", None)
         if isinstance(name, str):
             op = name
+        else:
+            return _op_name(op), _ONE * _op_factor(op)
     return _op_name(op), _ONE
 
 

@@ -48,14 +48,25 @@ def torch_release(version: Optional[str] = None) -> Tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-SUPPORTED: bool = torch_release() >= TORCH_FLOOR
+def _supported(version: Optional[str] = None) -> bool:
+    """Whether ``version`` (default: the running torch's) is at or above the
+    floor; a version string that names no release (a local build's
+    ``"local"``) counts as supported: the direct API has no floor, and an
+    import must not fail on a name."""
+    try:
+        return torch_release(version) >= TORCH_FLOOR
+    except ValueError:
+        return True
+
+
+SUPPORTED: bool = _supported()
 
 
 def refusal(feature: str, why: str, version: Optional[str] = None) -> Optional[str]:
     """The error message for ``feature`` on ``version`` (default: the running
     torch's), or None where it is at or above the floor."""
     version = torch.__version__ if version is None else version
-    if torch_release(version) >= TORCH_FLOOR:
+    if _supported(version):
         return None
     floor = "%d.%d" % TORCH_FLOOR
     return (f"{feature} needs torch >= {floor}, this is torch {version}: {why}. "
