@@ -27,8 +27,19 @@ pytestmark = [needs_oneccl, pytest.mark.world]
 
 # ---------------------------------------------------------------- workers
 def _mismatch(comm, case, n0):
-    """Rank 1 deviates (``case``); returns what each rank saw. ``n0``: a
-    size no earlier call of the pooled communicator used (a new signature)."""
+    """Rank 1 deviates (``case``); returns what each rank saw, on a split
+    of its own (the pooled communicator's bound of checked signatures fills
+    up over a session's tests: past it nothing is checked, both ranks then
+    hang in the library, as documented; seen in a CI run). ``n0``: a size
+    no earlier call used (a new signature)."""
+    c = comm.split(0)
+    try:
+        return _mismatch_on(c, case, n0)
+    finally:
+        c.destroy()
+
+
+def _mismatch_on(comm, case, n0):
     r = comm.rank
     t = torch.ones(n0 + (4 if case == "shape" and r == 1 else 0))
     t0 = time.monotonic()
@@ -77,6 +88,14 @@ def test_mismatch_raises_on_every_rank_by_default(case):
 
 
 def _mismatch_async_shape(comm, n0):
+    c = comm.split(0)  # its own signatures (see _mismatch)
+    try:
+        return _mismatch_async_shape_on(c, n0)
+    finally:
+        c.destroy()
+
+
+def _mismatch_async_shape_on(comm, n0):
     r = comm.rank
     t = torch.ones(n0 + (4 if r == 1 else 0))
     old = comm.inline_async_bytes
