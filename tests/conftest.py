@@ -80,8 +80,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
         fixtures = getattr(item, "fixturenames", ())
         if any(f in fixtures for f in ("world", "world2", "world3")) or "world" in item.keywords:
-            # All multi-process tests on one xdist worker, one at a time: the
-            # machine has 2 cores and spinning ranks must not oversubscribe.
+            # Meant: all multi-process tests on one xdist worker, one at a time.
+            # Not in effect: xdist reads the groups (and names them into the
+            # node ids) before this hook adds the mark, so only explicit marks
+            # group tests (test_launchers/test_two_nodes: "slurm",
+            # test_fresh_world): the worlds run on both workers.
             item.add_marker(pytest.mark.xdist_group("world"))
             item.add_marker(pytest.mark.world)
 

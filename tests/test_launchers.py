@@ -34,7 +34,13 @@ from world import free_port
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("STREAMCOLL_LAUNCHERS_VENV") or ROOT / ".venv-launchers")
 VPY = VENV / "bin" / "python"
-pytestmark = [pytest.mark.launchers, pytest.mark.world, pytest.mark.slow, needs_oneccl]
+# One xdist worker for every SLURM test (this module's one-node SLURM and
+# test_two_nodes' two-node one): each module starts its SLURM once, in a fixed
+# place, and a second worker's start ends the first's (seen: "node01 is not
+# running"). Explicit: conftest's "world" group is added after xdist reads the
+# groups, so it does not pin anything.
+pytestmark = [pytest.mark.launchers, pytest.mark.world, pytest.mark.slow, needs_oneccl,
+              pytest.mark.xdist_group("slurm")]
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
                   "MASTER_PORT", "TORCHELASTIC_RUN_ID")

@@ -42,8 +42,10 @@ NODES = ("node01", "node02")
 DEATH_TIMEOUT = 5.0
 
 _WHY = netns.unavailable()
+# xdist_group("slurm"): every SLURM test on one worker (see test_launchers.py's pytestmark)
 pytestmark = [pytest.mark.two_nodes, pytest.mark.world, pytest.mark.slow, needs_oneccl,
-              pytest.mark.skipif(_WHY is not None, reason=f"simulated hosts unavailable: {_WHY}")]
+              pytest.mark.skipif(_WHY is not None, reason=f"simulated hosts unavailable: {_WHY}"),
+              pytest.mark.xdist_group("slurm")]
 
 
 def rows_of(out: str) -> List[dict]:
