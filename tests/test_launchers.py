@@ -105,6 +105,23 @@ def run(cmd: str, env: Dict[str, str], timeout: float = 300) -> subprocess.Compl
                           timeout=timeout)
 
 
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def run_gloo(cmd: str, env: Dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """The gloo reference run of ``cmd``, again (3 tries in all) when gloo
+    aborted at its exit: "terminate called without an active exception", a
+    C++ thread of gloo's left joinable at teardown after the job printed its
+    results (seen once in ~40 fresh-clone runs, torch 2.11; never from
+    streamcoll's run, which is never run again)."""
+    for attempt in range(3):
+        p = run(cmd, env, timeout)
+        if p.returncode == 0 or GLOO_EXIT_ABORT not in p.stderr or attempt == 2:
+            return p
+        print(f"gloo reference aborted at exit (try {attempt + 1}); running it again")
+    return p
+
+
 def results(p: subprocess.CompletedProcess, what: str) -> List[dict]:
     assert p.returncode == 0, f"{what}: exit {p.returncode}\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n" \
                               f"{p.stderr[-6000:]}"
@@ -127,7 +144,7 @@ def check_job(p: subprocess.CompletedProcess, what: str, backend: str) -> List[d
 
 def compare_with_gloo(cmd: str, env: Dict[str, str], what: str) -> None:
     mine = check_job(run(cmd, env), what, "streamcoll")
-    gloo = check_job(run(cmd + " --backend gloo", env), f"{what} (gloo)", "gloo")
+    gloo = check_job(run_gloo(cmd + " --backend gloo", env), f"{what} (gloo)", "gloo")
     assert [r["values"] for r in mine] == [r["values"] for r in gloo]
     print(f"{what}: first collective after {max(r['first_collective_s'] for r in mine):.2f} s "
           f"(gloo {max(r['first_collective_s'] for r in gloo):.2f} s)")
@@ -226,7 +243,7 @@ def test_ray_train_with_no_setup_hook(venv):
 def test_lightning_ddp(venv):
     cmd = command(r"launch_lightning\.py")
     mine = results(run(cmd, job_env(venv / "bin", MASTER_PORT=str(free_port()))), "Lightning")[-1]
-    gloo = results(run(cmd + " --backend gloo", job_env(venv / "bin", MASTER_PORT=str(free_port()))),
+    gloo = results(run_gloo(cmd + " --backend gloo", job_env(venv / "bin", MASTER_PORT=str(free_port()))),
                    "Lightning (gloo)")[-1]
     assert (mine["backend"], mine["world"]) == ("streamcoll", 2) and mine["gathered"] == gloo["gathered"] > 0
     assert abs(mine["loss"] - gloo["loss"]) < 1e-5 and _params_close(mine, gloo), (mine, gloo)
@@ -235,7 +252,7 @@ def test_lightning_ddp(venv):
 def test_accelerate_on_the_cpu_uses_a_group_made_before_it(venv):
     cmd = command(r"^torchrun .*launch_accelerate")
     mine = results(run(torchrun(cmd, str(VPY)), job_env(venv / "bin")), "accelerate")[-1]
-    gloo = results(run(torchrun(cmd, str(VPY)) + " --backend gloo", job_env(venv / "bin")), "accelerate (gloo)")[-1]
+    gloo = results(run_gloo(torchrun(cmd, str(VPY)) + " --backend gloo", job_env(venv / "bin")), "accelerate (gloo)")[-1]
     # The only group is streamcoll's: DDP (prepare), reduce and gather ran on it.
     assert (mine["backend"], mine["groups"], mine["world"]) == ("streamcoll", ["streamcoll"], 2), mine
     assert mine["sum"] == gloo["sum"] == 3.0 and mine["gathered"] == gloo["gathered"] == [0, 1]
