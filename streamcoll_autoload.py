@@ -31,8 +31,8 @@ NAME = "streamcoll"
 def create_process_group(store: Any, rank: int, world_size: int, timeout: Any = None) -> Any:
     """The lazy creator: imports streamcoll (and through it the binding) at
     the first ``init_process_group("streamcoll")``, then creates as
-    :func:`streamcoll.process_group.create_process_group` does."""
-    from streamcoll.process_group import create_process_group as create
+    :func:`streamcoll.integrations.process_group.create_process_group` does."""
+    from streamcoll.integrations.process_group import create_process_group as create
     return create(store, rank, world_size, timeout)
 
 
@@ -43,7 +43,7 @@ def register() -> None:
         import torch.distributed as dist
         if not dist.is_available() or NAME.upper() in getattr(dist.Backend, "_plugins", {}):
             return
-        with warnings.catch_warnings():  # no devices=: see streamcoll.process_group.register_backend
+        with warnings.catch_warnings():  # no devices=: see streamcoll.integrations.process_group.register_backend
             warnings.simplefilter("ignore", UserWarning)
             dist.Backend.register_backend(NAME, create_process_group)
     except Exception as e:  # never fail `import torch` for the whole environment

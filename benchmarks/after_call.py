@@ -341,7 +341,7 @@ def main(argv=None) -> int:
               f"load {tuple(round(x, 2) for x in os.getloadavg())}")
         print("# env: " + " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
                                    if k.startswith(("CCL_", "FI_", "OMP_", "KMP_", "GOMP_"))))
-        from streamcoll import env as sc_env
+        from streamcoll.startup import env_defaults as sc_env
         print("# streamcoll applied: " + " ".join(f"{k}={v}" for k, v in sorted(sc_env.APPLIED.items())))
         print(f"{'variant':>20s} {'wall us':>8s} {'cpu us':>8s}  (cpu: the calling thread's CPU time, without "
               "the time other processes held its core)")

@@ -1,7 +1,7 @@
 """bf16 all_reduce through float32 against oneCCL's own bf16 (issue 35).
 
 oneCCL 2022.2 truncates in its CPU bf16 reduction, so streamcoll reduces bf16
-in float32 scratch and rounds once (``streamcoll/backends.py``, ``_WIDENED``).
+in float32 scratch and rounds once (``streamcoll/core/backends.py``, ``_WIDENED``).
 This driver times, interleaved round by round in one 2-rank run, per size:
 
 - ``raw bf16``: oneCCL's own bf16 all_reduce, the raw C call (a C-level

@@ -259,7 +259,7 @@ def main(argv: Any = None) -> int:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     load_before = os.getloadavg()
     import streamcoll
-    from streamcoll import env as sc_env
+    from streamcoll.startup import env_defaults as sc_env
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

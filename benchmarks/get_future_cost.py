@@ -30,8 +30,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import streamcoll  # noqa: E402
-from streamcoll import async_launch as A, work as W  # noqa: E402
-from streamcoll.callbacks import CALLBACKS  # noqa: E402
+from streamcoll.core import async_launch as A, work as W  # noqa: E402
+from streamcoll.core.callbacks import CALLBACKS  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -54,8 +54,8 @@ def main() -> None:
     a = ap.parse_args()
     c = streamcoll.new_communicator(backend="oneccl", device="cpu", rank=0, world_size=1,
                                     store=dist.HashStore(), name="get-future-cost")
-    impl = {a.rev: (method(a.rev, "streamcoll/work.py", "get_future", W),
-                    method(a.rev, "streamcoll/async_launch.py", "_complete_future_when_done", A)),
+    impl = {a.rev: (method(a.rev, "streamcoll/core/work.py", "get_future", W),
+                    method(a.rev, "streamcoll/core/async_launch.py", "_complete_future_when_done", A)),
             "tree": (W.Work.get_future, A.AsyncLaunch._complete_future_when_done)}
     t = torch.ones(2)
     pc = time.perf_counter_ns

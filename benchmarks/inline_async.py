@@ -1,6 +1,6 @@
 """The small-async threshold (issues 25 and 33): up to where a CPU
 ``async_op=True`` call should be queued quietly (no comm-thread wake-up;
-``wait()`` runs it on the calling thread, see ``streamcoll/work.py``) rather
+``wait()`` runs it on the calling thread, see ``streamcoll/core/work.py``) rather
 than handed to the comm thread at once.
 
 Per message size, in the same processes and interleaved round by round:
@@ -14,7 +14,7 @@ up overlapping the call with compute, which can win back at most the
 call's own time (``sync``): it is right while ``handoff - sync >= sync``.
 The threshold printed is the largest size where that held in the median,
 rounded down to a power of two; the default
-(``streamcoll.communicator.INLINE_ASYNC_BYTES``) was set from it.
+(``streamcoll.core.communicator.INLINE_ASYNC_BYTES``) was set from it.
 
     torchrun --nproc-per-node 2 benchmarks/inline_async.py
     python benchmarks/inline_async.py                       # world size 1

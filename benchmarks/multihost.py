@@ -58,7 +58,7 @@ POW2_RING = "recursive_doubling:0-16384;ring:16385-max"
 # "defaults" is streamcoll's (no variables); each other row names what it sets on top of
 # them. The 2 x 1 defaults spin inline (2 ranks, 2 cores), 2 x 2 and 4 x 1 (4 ranks on 2
 # cores) hand the collective to oneCCL's worker thread, which sleeps while it waits
-# (streamcoll.env; before issue 25 it called sched_yield).
+# (streamcoll.startup.env_defaults; before issue 25 it called sched_yield).
 VARIANTS: Dict[str, tuple] = {
     "defaults": ({}, LAYOUTS, False),
     "defaults, same hostname": ({}, ("2x2",), True),

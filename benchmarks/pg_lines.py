@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
     import streamcoll  # noqa: F401  (registers the backend)
-    from streamcoll.process_group import StreamcollWork, _ROPTS
+    from streamcoll.integrations.process_group import StreamcollWork, _ROPTS
 
     dist.init_process_group("streamcoll", rank=0, world_size=1)
     nothing = dist.new_group(backend=_register_nothing(dist))

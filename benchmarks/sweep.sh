@@ -19,7 +19,7 @@ PORT="$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); pri
 case "$LAUNCHER" in
   mpiexec)
     VPY="$(bash benchmarks/setup_mpi.sh)"
-    # Intel MPI pins each rank to one core by default: streamcoll.env would then
+    # Intel MPI pins each rank to one core by default: streamcoll.startup.env_defaults would then
     # see one usable core per rank and pick its oversubscribed settings.
     export MASTER_PORT="$PORT" I_MPI_PIN="${I_MPI_PIN:-off}"
     # hydra passes the whole environment to the ranks; -bind-to none: the

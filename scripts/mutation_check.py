@@ -13,7 +13,7 @@ The list has two parts:
 - :data:`FIXED`: the breaks issue 28 found, and a few others of the same
   kind, each with the test that now catches it;
 - :func:`derived`: one mutation of each kind per collective of the
-  declaration table (:mod:`streamcoll.spec`), made from the planner's own
+  declaration table (:mod:`streamcoll.core.spec`), made from the planner's own
   source: a wrong reduction (the planner passes ``ReduceOp.MAX`` whatever
   it was given), a wrong root (``n - 1 - root``), a dropped post-op (the
   unpack or copy after the C call), a skipped keep-alive (the plan keeps no
@@ -86,64 +86,64 @@ KEEP_TEST: Dict[str, Tuple[str, ...]] = {
 FIXED: List[Mutation] = [
     Mutation(
         "process_group._op always MAX",
-        (("streamcoll/process_group.py", "    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n",
+        (("streamcoll/integrations/process_group.py", "    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n",
           "    return dist.ReduceOp.MAX\n    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n"),),
         ("tests/test_process_group.py::test_collectives_through_torch_distributed",),
         ci=True, why="issue 28 finding 1 (the PyTorch-suite subset: test_reduce_sum, test_get_future)"),
     Mutation(
         "process_group._op always MAX (against gloo)",
-        (("streamcoll/process_group.py", "    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n",
+        (("streamcoll/integrations/process_group.py", "    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n",
           "    return dist.ReduceOp.MAX\n    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n"),),
         ("tests/test_process_group.py::test_reductions_match_gloo_and_numpy",)),
     Mutation(
         "process_group._op always MAX (PyTorch's suite)",
-        (("streamcoll/process_group.py", "    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n",
+        (("streamcoll/integrations/process_group.py", "    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n",
           "    return dist.ReduceOp.MAX\n    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n"),),
         ("tests/test_torch_dist_suite.py::TestStreamcollDistBackend::test_reduce_sum",),
         why="issue 28 finding 1: torch's all_reduce tests compare no value; these do"),
     Mutation(
         "AVG computed as SUM (general and fast path)",
-        (("streamcoll/plans.py", "return lambda: out.div_(n)", "return lambda: out.div_(1)"),
-         ("streamcoll/launch.py", "{spec.recv or spec.send}.div_(_size)", "{spec.recv or spec.send}.div_(1)"),
-         ("streamcoll/launch.py", "w{oi}.div_(_size)", "w{oi}.div_(1)"),
-         ("streamcoll/launch.py", "w{oi}.mul_(_rsize)", "w{oi}.mul_(1)"),
-         ("streamcoll/launch.py", "{out_b}.div_(_size)", "{out_b}.div_(1)")),
+        (("streamcoll/core/plans.py", "return lambda: out.div_(n)", "return lambda: out.div_(1)"),
+         ("streamcoll/core/launch.py", "{spec.recv or spec.send}.div_(_size)", "{spec.recv or spec.send}.div_(1)"),
+         ("streamcoll/core/launch.py", "w{oi}.div_(_size)", "w{oi}.div_(1)"),
+         ("streamcoll/core/launch.py", "w{oi}.mul_(_rsize)", "w{oi}.mul_(1)"),
+         ("streamcoll/core/launch.py", "{out_b}.div_(_size)", "{out_b}.div_(1)")),
         ("tests/test_compile.py::test_compiled_step_aot_eager",),
         why="issue 28 finding 2 (compiled vs eager compared with a plain-torch reference)"),
     Mutation(
         "AVG computed as SUM, seen by the all_reduce value test",
-        (("streamcoll/plans.py", "return lambda: out.div_(n)", "return lambda: out.div_(1)"),
-         ("streamcoll/launch.py", "{spec.recv or spec.send}.div_(_size)", "{spec.recv or spec.send}.div_(1)"),
-         ("streamcoll/launch.py", "w{oi}.div_(_size)", "w{oi}.div_(1)"),
-         ("streamcoll/launch.py", "w{oi}.mul_(_rsize)", "w{oi}.mul_(1)"),
-         ("streamcoll/launch.py", "{out_b}.div_(_size)", "{out_b}.div_(1)")),
+        (("streamcoll/core/plans.py", "return lambda: out.div_(n)", "return lambda: out.div_(1)"),
+         ("streamcoll/core/launch.py", "{spec.recv or spec.send}.div_(_size)", "{spec.recv or spec.send}.div_(1)"),
+         ("streamcoll/core/launch.py", "w{oi}.div_(_size)", "w{oi}.div_(1)"),
+         ("streamcoll/core/launch.py", "w{oi}.mul_(_rsize)", "w{oi}.mul_(1)"),
+         ("streamcoll/core/launch.py", "{out_b}.div_(_size)", "{out_b}.div_(1)")),
         (COLLECTIVES + "::test_all_reduce_every_op_and_dtype[w2-sync]",), ci=True),
     Mutation(
         "float64 missing from the dtype table",
-        (("streamcoll/backends.py", '    torch.float64: "Float64",\n', ""),),
+        (("streamcoll/core/backends.py", '    torch.float64: "Float64",\n', ""),),
         (FUZZ + "[broadcast]",), ci=True,
         why="issue 28 finding 3 (a fault-free call must go through)"),
     Mutation(
         "queued async call keeps no tensor",
-        (("streamcoll/async_launch.py", "item = rt.submit(lane, self._execute_host, plan, e, here)",
+        (("streamcoll/core/async_launch.py", "item = rt.submit(lane, self._execute_host, plan, e, here)",
           "item = rt.submit(lane, self._execute_host, Plan(plan.fn, plan.args, plan.post, (), (), plan.cname), e, here)"),),
         ("tests/test_streams.py::test_async_results_survive_dropped_tensors[w2]",), ci=True,
         why="issue 28 finding 4 (the Work dropped too; a weak reference to the tensor)"),
     Mutation(
         "async all_reduce issues nothing (returns success)",
-        (("streamcoll/async_launch.py", "item = rt.submit(lane, self._execute_host, plan, e, here)",
+        (("streamcoll/core/async_launch.py", "item = rt.submit(lane, self._execute_host, plan, e, here)",
           "item = rt.submit(lane, self._execute_host, Plan(lambda *a: 0, plan.args, plan.post, plan.keep, "
           "plan.outputs, plan.cname), e, here)"),),
         ("tests/test_streams.py::test_event_pool_does_not_grow_over_10k_calls",),
         why="issue 28 finding 5 (the event-pool test checked value > 0)"),
     Mutation(
         "generated fast paths issue nothing (report success)",
-        (("streamcoll/launch.py", 'call = "_f(" + ", ".join(vals[r] for r in roles) + ")"', 'call = "0"'),),
+        (("streamcoll/core/launch.py", 'call = "_f(" + ", ".join(vals[r] for r in roles) + ")"', 'call = "0"'),),
         ("tests/test_validation.py::test_stream_on_the_cpu",), ci=True,
         why="issue 28 finding 5: one-rank value checks passed with a collective that does nothing"),
     Mutation(
         "single-host CCL_KVS_IFACE default deleted",
-        (("streamcoll/env.py", '            d["CCL_KVS_IFACE"] = "lo"\n', "            pass\n"),),
+        (("streamcoll/startup/env_defaults.py", '            d["CCL_KVS_IFACE"] = "lo"\n', "            pass\n"),),
         ("tests/test_rendezvous.py::test_torchrun_job_with_none_of_the_suites_variables",),
         why="issue 28: hidden by the suite's blanket CCL_KVS_IFACE=lo (a torchrun job with none of them)"),
     Mutation(
@@ -169,7 +169,7 @@ def _unique_line(text: str, line: str) -> bool:
 def derived() -> List[Mutation]:
     """One break of each applicable kind per collective, from its declaration and planner."""
     sys.path.insert(0, ROOT)
-    from streamcoll import spec as sp
+    from streamcoll.core import spec as sp
 
     out: List[Mutation] = []
     for name, s in sp.TABLE.items():

@@ -7,7 +7,7 @@
 #     binding tests and its header, CUDA runtime headers for the ABI check)
 #   - the oneCCL CPU runtime in $STREAMCOLL_HOME/oneccl (default
 #     ~/.cache/streamcoll/oneccl), by `python -m streamcoll install-runtime`
-#     (streamcoll/install.py: the one implementation, which users run too)
+#     (streamcoll/startup/install.py: the one implementation, which users run too)
 #   - streamcoll itself, editable, so spawned ranks and torchrun import this
 #     checkout as it is edited (with setuptools >= 70.1 or `wheel`: older
 #     setuptools cannot build an editable install without `wheel`, and a
@@ -102,7 +102,7 @@ fi
 #    one that drops it (this workplace's: about 1 in 25) makes the connect, and
 #    every request to that store meanwhile, wait glibc's 5 s retry. The tests
 #    open hundreds of stores and connections: answered from /etc/hosts here
-#    (streamcoll itself reuses its connections: streamcoll/debug.py).
+#    (streamcoll itself reuses its connections: streamcoll/core/checks.py).
 if [ "$(getent hosts ::ffff:127.0.0.1 2>/dev/null | wc -l)" = 0 ] && ! grep -q '^::ffff:127\.0\.0\.1[[:space:]]' /etc/hosts 2>/dev/null; then
   if [ -w /etc/hosts ]; then
     say "adding '::ffff:127.0.0.1 localhost-v4mapped' to /etc/hosts (a reverse lookup of it otherwise asks the DNS server)"

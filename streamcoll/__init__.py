@@ -12,7 +12,7 @@ Importing streamcoll loads no native library; they load on first use.
 """
 from __future__ import annotations
 
-from .bootstrap import (
+from .startup.bootstrap import (
     default_communicator,
     destroy,
     destroy_process_group,
@@ -44,8 +44,8 @@ from .collectives import (
     scatter,
     send,
 )
-from .communicator import Communicator, P2POp
-from .errors import (
+from .core.communicator import Communicator, P2POp
+from ._ffi.errors import (
     CollectiveError,
     CollectiveTimeout,
     CommunicatorError,
@@ -61,13 +61,15 @@ from .errors import (
     RendezvousError,
     UsageError,
 )
-from .grad_sync import GradientSync
-from .ops import PreMulSum, ReduceOp, premul_sum
-from .process_group import ProcessGroupStreamcoll, register_backend as _register_backend
-from .work import Work
-# The observers of every communicator attach to the core when imported (streamcoll.hooks): the
+from .integrations.grad_sync import GradientSync
+from .core.ops import PreMulSum, ReduceOp, premul_sum
+from .integrations.process_group import ProcessGroupStreamcoll, register_backend as _register_backend
+from .core.work import Work
+# The observers of every communicator attach to the core when imported (streamcoll.core.hooks): the
 # watchdog (hangs, the start of quietly queued CPU calls) and torch-format flight dumps.
-from . import fr_torch, watchdog  # noqa: F401
+from .diagnostics import fr_torch, watchdog  # noqa: F401
+# public: streamcoll.launchers.adopt() (exports a launcher's ranks for torch.distributed; examples/launch_job.py)
+from .startup import launchers  # noqa: F401
 
 _register_backend()  # torch.distributed.init_process_group("streamcoll")
 

@@ -1,5 +1,5 @@
 """``python -m streamcoll info``: what streamcoll finds on this machine.
-(``python -m streamcoll install-runtime``: see streamcoll/install.py.)
+(``python -m streamcoll install-runtime``: see streamcoll/startup/install.py.)
 
 For each native library: the file it loaded, its version, and every place
 looked, in search order, with why each was passed over (missing, not
@@ -22,7 +22,7 @@ from typing import List, Optional, TextIO, Tuple
 
 
 def _library_report(binding, out: TextIO) -> None:
-    from .errors import LibraryNotFoundError
+    from ._ffi.errors import LibraryNotFoundError
 
     w = out.write
     w(f"{binding.name}:\n")
@@ -65,7 +65,7 @@ def _release(s: str) -> Tuple[int, ...]:
 
 
 def declarations_report(binding) -> List[str]:
-    """Which loaded release against which declarations (issue 43: torch's
+    """Which loaded release against which declarations (torch's
     CUDA builds bring their own NCCL, e.g. 2.20.5 with torch 2.4 and 2.28.9
     with torch 2.11, older than the declarations), and a WARNING naming
     every declared function the loaded library does not export: calling one
@@ -130,7 +130,7 @@ def _would_apply(hosts: int = 1, local_size: int = 1, cpus: Optional[tuple] = No
     of ``local_size`` ranks (this rank the first; ``cpus``: each rank's CPU
     set, default this process's), computed by env's pure functions from
     made-up facts of such ranks: nothing is set."""
-    from . import env, topology
+    from .startup import env_defaults as env, topology
 
     me = topology.local_facts(0)  # a fresh process's: only the user's values are bound
     me = dataclasses.replace(me, bound=tuple(b for b in me.bound if b[2] == env.USER))
@@ -156,7 +156,8 @@ def info(out: Optional[TextIO] = None) -> int:
 
     out = out if out is not None else sys.stdout
 
-    from . import __version__, env
+    from . import __version__
+    from .startup import env_defaults as env
 
     w = out.write
     here = os.path.dirname(os.path.abspath(__file__))
@@ -178,8 +179,8 @@ def info(out: Optional[TextIO] = None) -> int:
         w("\n")
 
     _launcher_report(out)
-    from .env_vars import TABLE
-    w("environment (streamcoll/env_vars.py says what each does):\n")
+    from .core.env_vars import TABLE
+    w("environment (streamcoll/core/env_vars.py says what each does):\n")
     for var in TABLE:
         val = os.environ.get(var.name)
         w(f"  {var.name}={val}\n" if val is not None else f"  {var.name} (not set) [{var.kind}, default "
@@ -193,7 +194,7 @@ def info(out: Optional[TextIO] = None) -> int:
         w("defaults: off (STREAMCOLL_NO_ENV_DEFAULTS is set)\n")
     elif would:
         w("defaults streamcoll applies when it creates a communicator with every rank on this host\n"
-          "(only variables not set above; see streamcoll/env.py for why each):\n")
+          "(only variables not set above; see streamcoll/startup/env_defaults.py for why each):\n")
         w("".join(f"  {k}={v}\n" for k, v in would.items()))
     else:
         w("defaults: none to apply (every variable they cover is set)\n")
@@ -203,9 +204,9 @@ def info(out: Optional[TextIO] = None) -> int:
 
 
 def _launcher_report(out: TextIO) -> None:
-    """The launcher streamcoll detects (streamcoll/launchers.py), with what
+    """The launcher streamcoll detects (streamcoll/startup/launchers.py), with what
     it says; the rendezvous is found when a communicator is made."""
-    from . import launchers
+    from .startup import launchers
 
     w = out.write
     try:
@@ -232,7 +233,7 @@ def _rendezvous_way(kind: str) -> str:
 def _several_hosts_report(out: TextIO) -> None:
     """What a communicator spanning several hosts would apply on this host,
     with the interface that reaches the rendezvous address now."""
-    from . import env, topology
+    from .startup import env_defaults as env, topology
 
     w = out.write
     addr = topology.rendezvous_address()
@@ -261,7 +262,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "install-runtime: the oneCCL CPU runtime into streamcoll's cache.")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("info", help="libraries found, versions, places looked, environment")
-    from . import install
+    from .startup import install
     install.add_arguments(sub.add_parser(
         "install-runtime", help=f"assemble the oneCCL {install.ONECCL_VERSION} CPU runtime into the cache and check it",
         description=install.DESCRIPTION))

@@ -6,10 +6,10 @@ defaults: swap ``torch.distributed`` for ``streamcoll`` in a training loop.
 that communicator. ``stream=`` (keyword only) launches on an explicit stream.
 
 Every function here is generated from its declaration in
-:mod:`streamcoll.spec` (same parameters, defaults and docstring as the
+:mod:`streamcoll.core.spec` (same parameters, defaults and docstring as the
 Communicator method, plus ``group``). Collectives declared ``compiled``
 switch to streamcoll's custom ops while torch.compile traces
-(:mod:`streamcoll.custom_ops`; ``torch.compiler.is_compiling()`` costs about
+(:mod:`streamcoll.integrations.custom_ops`; ``torch.compiler.is_compiling()`` costs about
 0.1 us in eager); eager calls go straight to the communicator's method (its
 generated fast path where it applies).
 """
@@ -20,11 +20,11 @@ from typing import Any, Dict, Optional
 
 from torch.compiler import is_compiling as _compiling
 
-from . import bootstrap
-from . import custom_ops as _traced
-from . import spec as _spec
-from .communicator import Communicator
-from .ops import ReduceOp
+from .startup import bootstrap
+from .integrations import custom_ops as _traced
+from .core import spec as _spec
+from .core.communicator import Communicator
+from .core.ops import ReduceOp
 
 _SUM = ReduceOp.SUM
 

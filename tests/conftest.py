@@ -7,7 +7,7 @@ kept per session and replaced after a failure); GPU tests (``cuda`` marker,
 skipped without a CUDA device).
 
 No sweep of ``/dev/shm`` here: the regions SIGKILLed ranks leave are the
-library's to remove (:mod:`streamcoll.shm_regions`: every process sweeps
+library's to remove (:mod:`streamcoll.diagnostics.shm_regions`: every process sweeps
 before its first init, by the kernel's open count); a sweep by pid would
 remove a live region of another PID namespace.
 """
@@ -30,7 +30,7 @@ from world import World  # noqa: E402
 def _users_environment():
     """Every test starts from the environment the session started with (the
     user's): what a test sets, or what an in-process ``streamcoll.init``
-    applies as its defaults (``streamcoll.env``), is undone after it, so no
+    applies as its defaults (``streamcoll.startup.env_defaults``), is undone after it, so no
     test runs with another test's variables."""
     saved = dict(os.environ)
     yield
@@ -40,7 +40,7 @@ def _users_environment():
 
 
 def _loads(name: str):
-    from streamcoll.backends import get_backend
+    from streamcoll.core.backends import get_backend
     b = get_backend(name).binding
     try:
         b.lib()

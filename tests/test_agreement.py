@@ -65,7 +65,7 @@ def _sums() -> None:
     if str(rank) in pins:
         os.sched_setaffinity(0, {int(c) for c in pins[str(rank)].split(",")})
     import streamcoll
-    from streamcoll import env
+    from streamcoll.startup import env_defaults as env
     comm = streamcoll.init(backend="oneccl", device="cpu", timeout=30)
     n = comm.size
     errors = {}
@@ -96,7 +96,7 @@ def _nested_parent() -> None:
     import torch
     import torch.distributed as dist
     import streamcoll
-    from streamcoll import env
+    from streamcoll.startup import env_defaults as env
     c = streamcoll.new_communicator(backend="oneccl", device="cpu", rank=0, world_size=1, store=dist.HashStore())
     t = torch.ones(3)
     c.all_reduce(t)
@@ -115,7 +115,7 @@ def _nested_parent() -> None:
 def _nested_child() -> None:
     import torch
     import streamcoll
-    from streamcoll import env
+    from streamcoll.startup import env_defaults as env
     before = _native_env()
     comm = streamcoll.init(backend="oneccl", device="cpu", timeout=60)
     t = torch.ones(3)
@@ -131,7 +131,7 @@ def _settings() -> None:
     oneCCL's bf16 all_reduce hang there) and what the communicator runs with."""
     import torch
     import streamcoll
-    from streamcoll import debug
+    from streamcoll.core import checks as debug
     t0 = time.monotonic()
     try:
         comm = streamcoll.init(backend="oneccl", device="cpu", timeout=30)
@@ -152,7 +152,7 @@ def _sub_first() -> None:
     world's own layout would have chosen."""
     import torch
     import torch.distributed as dist
-    from streamcoll import env
+    from streamcoll.startup import env_defaults as env
     rank = int(os.environ["RANK"])
     pins = dict(p.split(":") for p in os.environ.get("AGREE_PIN", "").split(";") if p)
     if str(rank) in pins:
@@ -364,7 +364,7 @@ if __name__ != "__main__":
         import torch
         import torch.distributed as dist
         import streamcoll
-        from streamcoll import debug
+        from streamcoll.core import checks as debug
         for k in ("STREAMCOLL_WIDEN_BF16", "STREAMCOLL_SIGNATURE_CHECKS", "STREAMCOLL_DEBUG_CHECKS",
                   "TORCH_DISTRIBUTED_DEBUG"):
             monkeypatch.delenv(k, raising=False)

@@ -240,12 +240,12 @@ def test_the_process_groups_work_is_awaitable():
 
 
 def test_a_completion_into_a_closed_loop_is_dropped_quietly(capfd):
-    """The pure logic of :func:`streamcoll.work.awaited`: a torch future
+    """The pure logic of :func:`streamcoll.core.work.awaited`: a torch future
     completed (on another thread) after the awaiting loop closed neither
     raises nor prints (torch prints an exception raised in a done
     callback); one completed before the await returns at once."""
     import threading
-    from streamcoll.work import awaited
+    from streamcoll.core.work import awaited
     fut: torch.futures.Future = torch.futures.Future()
 
     class Held:  # what awaited() needs of a Work: its Awaiters slot

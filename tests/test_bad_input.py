@@ -135,7 +135,7 @@ def test_use_after_destroy(world2):
 
 
 def test_backend_device_mismatch_is_a_clear_error():
-    from streamcoll.backends import resolve
+    from streamcoll.core.backends import resolve
     with pytest.raises(ValueError, match="nccl.*cpu"):
         resolve("nccl", torch.device("cpu"))
     with pytest.raises(ValueError, match="oneccl.*cuda"):

@@ -161,7 +161,7 @@ def test_every_benchmarkable_collective_has_a_benchmark_case():
     """The benchmark cases derive from the declaration table: every collective
     with a fast path gets one (the point-to-point ones through nccl-tests'
     sendrecv pair), and so does any entry declaring a bus factor."""
-    from streamcoll import spec
+    from streamcoll.core import spec
     from streamcoll.bench import cases
     from streamcoll.bench.metrics import BUS_FACTOR
     fast = {n for n, s in spec.TABLE.items() if s.fast and not s.p2p}

@@ -1,4 +1,4 @@
-"""The callback thread (streamcoll.callbacks): completions run in order, one
+"""The callback thread (streamcoll.core.callbacks): completions run in order, one
 at a time, off the threads that run collectives; a callback that waits on a
 future the callback thread has yet to complete hands the role over instead
 of deadlocking. Real threads, no library needed."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
-from streamcoll.callbacks import CallbackThread, Future
-import streamcoll.callbacks as callbacks
+from streamcoll.core.callbacks import CallbackThread, Future
+import streamcoll.core.callbacks as callbacks
 
 
 def test_completions_run_in_order_one_at_a_time():

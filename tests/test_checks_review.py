@@ -79,7 +79,7 @@ def test_uneven_all_to_all_with_one_rank_changing_its_counts(form, n0):
 def _keys_after_debug_cycles(comm, cycles, n0):
     """Split, debug mode on for a call, off again, a new signature, destroy,
     ``cycles`` times: the store holds no more keys afterwards."""
-    from streamcoll import debug
+    from streamcoll.core import checks as debug
     base = comm._store
     comm.barrier()
     k0 = base.num_keys()

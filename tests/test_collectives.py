@@ -440,7 +440,7 @@ def w_futures_and_lifetime(comm):
     # thread has caught up with earlier completions (w's: it may still be
     # returning from it when fut.wait() returns; then f2 completes behind it,
     # in completion order: tests/test_future_order.py)
-    from streamcoll.callbacks import CALLBACKS
+    from streamcoll.core.callbacks import CALLBACKS
     w2 = streamcoll.all_reduce(torch.ones(2), async_op=True)
     w2.wait()
     t0 = time.monotonic()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import streamcoll
-from streamcoll import custom_ops
+from streamcoll.integrations import custom_ops
 
 from conftest import get_world, needs_oneccl
 

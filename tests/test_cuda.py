@@ -133,7 +133,7 @@ def test_stash_releases_after_wait_and_reaper(comm):
     w2 = comm.all_gather_into_tensor(out, y, async_op=True)
     del y
     torch.cuda.synchronize()
-    from streamcoll.work import REAPER
+    from streamcoll.core.work import REAPER
     REAPER.reap()
     assert torch.cuda.memory_allocated() <= base + 4096
     del w2
@@ -179,9 +179,9 @@ def test_sync_fast_path_enters_one_frame_on_cuda(comm):
 
 def test_sync_calls_carry_completion_events(comm):
     """Issue 12 (6): a synchronous collective's flight entry holds a
-    completion event recorded after it on its stream (streamcoll.sync_events),
+    completion event recorded after it on its stream (streamcoll.core.sync_events),
     so the watchdog can tell a kernel that never finishes; a capture gets none."""
-    from streamcoll.sync_events import SlotEvent
+    from streamcoll.core.sync_events import SlotEvent
     x = torch.ones(1 << 20, device="cuda")
     _sleep_then_fill(x, 1.0)  # the stream is busy for ~0.1 s
     comm.all_reduce(x)
@@ -266,11 +266,11 @@ def test_premul_sum_is_nccls_own(comm, dtype):
 def test_helper_thread_queries_do_not_invalidate_a_global_capture(comm):
     """Issue 12 (3): the reaper polls a pending event every 2 ms while the
     main thread captures a graph in torch's default global mode. Its thread
-    is in thread-local capture mode (streamcoll.helper_threads), so the
+    is in thread-local capture mode (streamcoll.core.helper_threads), so the
     queries are allowed and the capture stays valid; before, the first query
     invalidated it and capture_end raised."""
-    from streamcoll import helper_threads
-    from streamcoll.work import REAPER
+    from streamcoll.core import helper_threads
+    from streamcoll.core.work import REAPER
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         torch.cuda._sleep(SLEEP_CYCLES * 10)  # ~1 s: the event stays pending through the capture
@@ -304,7 +304,7 @@ def test_helper_thread_queries_do_not_invalidate_a_global_capture(comm):
 def test_functional_ops_compile_with_a_communicator_group(comm):
     """Issue 12 (1): compiled code gets the communicator as an int id (torch
     2.11's Dynamo cannot pass a user object to a constant-result function)."""
-    from streamcoll import custom_ops
+    from streamcoll.integrations import custom_ops
 
     @torch.compile(fullgraph=True, backend="aot_eager")
     def f(x):

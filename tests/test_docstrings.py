@@ -1,7 +1,7 @@
 """Every public name has a docstring (issue 15): the names in
 ``streamcoll.__all__`` and the public methods and properties of its classes,
 those of their streamcoll bases included (Communicator's concerns live in
-bases of their own: streamcoll.p2p, streamcoll.async_launch, ...)."""
+bases of their own: streamcoll.core.p2p, streamcoll.core.async_launch, ...)."""
 from __future__ import annotations
 
 import inspect

@@ -7,7 +7,7 @@ import io
 import os
 import re
 
-from streamcoll import env_vars
+from streamcoll.core import env_vars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,8 +52,8 @@ def test_each_streamcoll_variable_says_whether_ranks_must_agree():
     """Issue 42, finding 5: each of streamcoll's variables says whether it
     must be equal on every rank (checked at the rendezvous, as oneCCL's
     are) or may differ between ranks, and the table's "checked" ones are
-    exactly those streamcoll.env agrees: its native ones and its own."""
-    from streamcoll import env
+    exactly those streamcoll.startup.env_defaults agrees: its native ones and its own."""
+    from streamcoll.startup import env_defaults as env
     checked = {v.name for v in env_vars.TABLE if "equal on every rank (checked" in v.doc}
     agreed = set(env.MUST_AGREE) | {name for own in env.OWN.values() for name in own.variables}
     assert checked == agreed, checked ^ agreed

@@ -144,9 +144,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import streamcoll  # noqa: E402
-from streamcoll import flight, watchdog  # noqa: E402
-from streamcoll.errors import CollectiveTimeout, CommunicatorError  # noqa: E402
-from streamcoll.spec import Plan  # noqa: E402
+from streamcoll.diagnostics import flight, watchdog  # noqa: E402
+from streamcoll._ffi.errors import CollectiveTimeout, CommunicatorError  # noqa: E402
+from streamcoll.core.spec import Plan  # noqa: E402
 
 from conftest import get_world, needs_oneccl  # noqa: E402
 
@@ -168,7 +168,7 @@ def _failed_everywhere(w, f, exc_type=CommunicatorError) -> None:
     assert isinstance(w.exception(), exc_type), repr(w.exception())
     with pytest.raises(exc_type):
         w.wait()
-    # the future completes on the callback thread (streamcoll.callbacks), a moment later
+    # the future completes on the callback thread (streamcoll.core.callbacks), a moment later
     deadline = time.monotonic() + 10
     while not f.done() and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -211,11 +211,11 @@ def test_queued_work_of_a_failed_communicator_never_runs_and_reports_failure(mon
 
 @needs_oneccl
 def test_destroy_does_not_wait_its_timeout_behind_a_failed_communicators_stuck_call(monkeypatch, caplog):
-    """oneCCL's calls take turns (streamcoll.turnstile): a call stuck inside a
+    """oneCCL's calls take turns (streamcoll.core.turnstile): a call stuck inside a
     failed communicator A (its peer gone; oneCCL cannot abort) holds the turn
     for good. Destroying a healthy B then waits ABORT_LOCK_WAIT_S, not B's
     timeout, and says why, leaving B's native communicator allocated."""
-    from streamcoll.communicator import ABORT_LOCK_WAIT_S
+    from streamcoll.core.communicator import ABORT_LOCK_WAIT_S
     monkeypatch.setenv("STREAMCOLL_WATCHDOG", "off")
     monkeypatch.setenv("STREAMCOLL_INLINE_ASYNC_BYTES", "0")  # the stuck call: the comm thread's
     a, b = _comm(name="stuck-a"), _comm(name="healthy-b", timeout=60)
@@ -458,7 +458,7 @@ def test_calls_on_two_communicators_run_one_at_a_time():
     corrupted its state (``flow_control.cpp:49 return_credit: unexpected
     credits 1025``) within 300 iterations, and a plain lock deadlocks (ranks
     can take it in different orders). Calls run one at a time in issue order
-    (streamcoll.turnstile): the values are gloo's for the same program."""
+    (streamcoll.core.turnstile): the values are gloo's for the same program."""
     w = get_world(2)
     res = w.run(_two_communicators, free_port(), 150, timeout=120)
     for r, out in enumerate(res):

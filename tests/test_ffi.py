@@ -18,8 +18,8 @@ import streamcoll
 from streamcoll._ffi._common import enum_values
 from streamcoll._ffi.nccl import NCCL, _Nccl
 from streamcoll._ffi.oneccl import ONECCL
-from streamcoll.backends import get_backend
-from streamcoll.errors import (
+from streamcoll.core.backends import get_backend
+from streamcoll._ffi.errors import (
     CollectiveError,
     CollectiveTimeout,
     CommunicatorError,
@@ -80,7 +80,7 @@ result = ids
 @needs_oneccl
 def test_oneccl_unique_id_is_4096_bytes_holding_the_loopback_store_address():
     res = run_child("""
-from streamcoll.backends import get_backend
+from streamcoll.core.backends import get_backend
 result = get_backend("oneccl").unique_id()
 """, env=child_env({"CCL_KVS_IFACE": "lo"}), bare=False)
     assert len(res) == 4096
@@ -111,7 +111,7 @@ def test_nccl_call_on_a_null_communicator_raises_ncclerror(what):
 _ONECCL_ERRORS = """
 import torch, torch.distributed as dist, streamcoll
 from streamcoll._ffi.oneccl import ONECCL
-from streamcoll.backends import get_backend
+from streamcoll.core.backends import get_backend
 result = {}
 c = streamcoll.new_communicator(backend="oneccl", device="cpu", rank=0, world_size=1, store=dist.HashStore())
 result["rank_size"] = (c.rank, c.size)
@@ -289,7 +289,7 @@ def test_ffi_works_with_torch_unimportable():
     res = run_child("""
 import importlib, sys
 mods = ["streamcoll._ffi", "streamcoll._ffi._common", "streamcoll._ffi.nccl", "streamcoll._ffi.oneccl",
-        "streamcoll._ffi.abi", "streamcoll.errors"]
+        "streamcoll._ffi.abi", "streamcoll._ffi.errors"]
 for m in mods:
     importlib.import_module(m)
 from streamcoll._ffi.nccl import NCCL

@@ -22,10 +22,10 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
-from streamcoll.errors import CommunicatorError  # noqa: E402
-from streamcoll.streams import CpuRuntime, _Item  # noqa: E402
-from streamcoll.turnstile import Turnstile  # noqa: E402
-from streamcoll.work import Work  # noqa: E402
+from streamcoll._ffi.errors import CommunicatorError  # noqa: E402
+from streamcoll.core.streams import CpuRuntime, _Item  # noqa: E402
+from streamcoll.core.turnstile import Turnstile  # noqa: E402
+from streamcoll.core.work import Work  # noqa: E402
 
 _CALLS = {dis.opmap[n] for n in ("CALL", "CALL_FUNCTION_EX") if n in dis.opmap}
 

@@ -20,11 +20,11 @@ import weakref
 import pytest
 import torch
 
-from streamcoll.spec import Plan
+from streamcoll.core.spec import Plan
 import torch.distributed as dist
 
 import streamcoll
-from streamcoll import flight
+from streamcoll.diagnostics import flight
 
 from conftest import needs_oneccl
 
@@ -233,7 +233,7 @@ def test_watchdog_pass_reads_shapes_while_tensors_live(monkeypatch):
     c = _comm(name="resolve")
     try:
         c.all_reduce(torch.ones(3, 2), async_op=True).wait()  # a temporary, freed with its Work...
-        from streamcoll.watchdog import WATCHDOG
+        from streamcoll.diagnostics.watchdog import WATCHDOG
         # ... unless the watchdog's pass read it first; do what it does, with a live tensor:
         t = torch.ones(5)
         c.all_reduce(t, async_op=True).wait()

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 import streamcoll
-from streamcoll import flight, recorder
+from streamcoll.diagnostics import flight
+from streamcoll.core import recorder
 
 from conftest import needs_oneccl
 

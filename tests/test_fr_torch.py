@@ -31,7 +31,7 @@ for _ in range(3):
 c.broadcast(torch.ones(5), 0)
 if rank == 1:
     time.sleep(6)           # skips the next all_reduce: rank 0's watchdog dumps and ends it
-    streamcoll.flight.dump(c, reason="on request")
+    streamcoll.diagnostics.flight.dump(c, reason="on request")
     os._exit(0)
 c.all_reduce(t)              # never matched
 """
@@ -89,7 +89,7 @@ if rank == 0:
 time.sleep(1)
 with open(os.path.join(out, f"gloo_rank_{rank}"), "wb") as f:
     f.write(torch._C._distributed_c10d._dump_fr_trace())   # torch's own dump of the gloo group
-streamcoll.flight.dump(dist.group.WORLD.communicator(torch.device("cpu")), os.path.join(out, ""))
+streamcoll.diagnostics.flight.dump(dist.group.WORLD.communicator(torch.device("cpu")), os.path.join(out, ""))
 print("ok", flush=True)
 os._exit(0)
 """

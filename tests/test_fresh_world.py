@@ -222,7 +222,7 @@ def test_lazy_world_group_falls_back_to_tcp_for_a_partial_first_communicator():
 
 
 def _pairs_applied(r, n):
-    from streamcoll import env
+    from streamcoll.startup import env_defaults as env
     out = _pairs(r, n, (0, 1))
     out["transport"] = (env.in_effect().get("CCL_ATL_SHM"), env.in_effect().get("FI_PROVIDER"))
     if dist.get_backend() == "gloo":
@@ -236,7 +236,7 @@ def _direct(comm, port, as_mpiexec=False):
     pairs in the same processes give the expected values. ``as_mpiexec``:
     no torchrun variables, the world size only in mpiexec's ``PMI_SIZE``."""
     import streamcoll
-    from streamcoll import env
+    from streamcoll.startup import env_defaults as env
     r, n = comm.rank, comm.size
     if as_mpiexec:
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):

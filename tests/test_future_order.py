@@ -1,5 +1,5 @@
-"""A Work's future and the completion-order rule (streamcoll.work,
-streamcoll.callbacks): futures complete, and their callbacks run, on the
+"""A Work's future and the completion-order rule (streamcoll.core.work,
+streamcoll.core.callbacks): futures complete, and their callbacks run, on the
 callback thread in completion order, never on the thread issuing
 collectives; also when the call completes while ``get_future()`` runs (it
 nudges a small call queued quietly) or completed before it was called.
@@ -98,7 +98,7 @@ def _idle(comm: Any) -> Dict[str, Any]:
     that completed already is returned completed (nothing can be overtaken);
     also on the callback thread itself, from a callback with nothing queued
     behind it."""
-    from streamcoll.callbacks import CALLBACKS
+    from streamcoll.core.callbacks import CALLBACKS
     w = comm.all_reduce(torch.ones(4), async_op=True)
     w.wait()
     t0 = time.monotonic()
@@ -116,7 +116,7 @@ def _idle(comm: Any) -> Dict[str, Any]:
     main = threading.get_ident()
     # on the callback thread, nothing queued behind it (not through a Work's then(): on a future
     # that completed before then() is attached, torch runs the callback at once on this thread)
-    from streamcoll import callbacks
+    from streamcoll.core import callbacks
     ran = threading.Event()
     callbacks.complete(lambda: (cb(None), ran.set()))
     ran.wait(10)

@@ -1,5 +1,5 @@
 """Bad input, fuzzed (issue 7): hypothesis generates calls of every
-collective of the declaration table (:mod:`streamcoll.spec`) with random
+collective of the declaration table (:mod:`streamcoll.core.spec`) with random
 shapes, dtypes, strides, devices, ranks, ops and list lengths, often with one
 argument broken; every rank of a real oneCCL world runs the same call.
 
@@ -35,7 +35,7 @@ import pytest
 import torch
 
 import streamcoll
-from streamcoll import spec
+from streamcoll.core import spec
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402

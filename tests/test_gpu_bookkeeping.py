@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import streamcoll
-from streamcoll import backends, helper_threads, recorder, watchdog
+from streamcoll.core import backends, helper_threads, recorder
+from streamcoll.diagnostics import watchdog
 from streamcoll._ffi.cudart import CUDART
 
 _CI = any(os.environ.get(v, "") not in ("", "0", "false") for v in ("CI", "STREAMCOLL_REQUIRE_ABI"))
@@ -139,7 +140,8 @@ def test_streamcolls_cuda_threads_are_helper_threads():
     """The threads that call prepare() are started as helper_threads.Thread
     (else prepare() would now do nothing on them)."""
     import inspect
-    from streamcoll import async_launch, watchdog as wd, work
+    from streamcoll.core import async_launch, work
+    from streamcoll.diagnostics import watchdog as wd
     for mod, name in ((work, "streamcoll-reaper"), (wd, "streamcoll-watchdog"), (async_launch, "streamcoll-future")):
         src = inspect.getsource(mod)
         i = src.index(f'name="{name}"')
@@ -185,7 +187,7 @@ class _StandInRuntime:
 
 
 def _stand_in_events(current: int, device: int):
-    from streamcoll.sync_events import SyncEvents
+    from streamcoll.core.sync_events import SyncEvents
     _need_cudart()
     sev = SyncEvents(16, device)
     sev.lib = _StandInRuntime(current)
@@ -196,7 +198,7 @@ def test_a_pending_query_leaves_no_last_error():
     """Issue 27 (4): cudaEventQuery's not-ready stays the thread's last
     error, and torch's next launch check would raise it as its own; the
     query clears it (as torch's CUDAEvent::query does)."""
-    from streamcoll.sync_events import SlotEvent
+    from streamcoll.core.sync_events import SlotEvent
     sev = _stand_in_events(0, 0)
     sev.not_ready = 600
     assert SlotEvent("h", sev).query() is False
@@ -215,7 +217,7 @@ def test_legacy_stream_events_are_recorded_on_the_communicators_device():
     assert sev.record_on_device(ev, 0) == 0
     assert sev.lib.calls == [("set", 1), ("record", 1), ("set", 0)] and sev.lib.current == 0
     # the statements the generated launchers inline, on the legacy stream from device 0's thread
-    from streamcoll.sync_events import SlotEvent
+    from streamcoll.core.sync_events import SlotEvent
     sev.lib.calls.clear()
     sev.slots[5 & sev.mask] = slot = SlotEvent("h", sev)
     e = recorder.FlightEntry(seq=5)
@@ -237,7 +239,7 @@ def test_every_cuda_helper_thread_prepares_before_querying(monkeypatch):
         def query(self) -> bool:
             return False
 
-    from streamcoll.work import Reaper
+    from streamcoll.core.work import Reaper
     r = Reaper()
     r._thread = threading.current_thread()  # no thread of its own: reap() is called here
     r.add(Pending(), ["tensor"], device=3)
@@ -254,7 +256,7 @@ def test_reaper_keeps_tensors_when_a_query_fails():
         def query(self) -> bool:
             raise RuntimeError("operation not permitted when stream is capturing")
 
-    from streamcoll.work import Reaper
+    from streamcoll.core.work import Reaper
     r = Reaper()
     r._thread = threading.current_thread()
     entry = r.add(Failing(), ["tensor"], device=None)
@@ -345,7 +347,7 @@ def test_sync_events_sample_and_never_fail_the_collective(monkeypatch, caplog):
     want of a driver: the call gets no event and one warning, nothing raises);
     the others make no C call at all."""
     _need_cudart()
-    from streamcoll.sync_events import SyncEvents, every
+    from streamcoll.core.sync_events import SyncEvents, every
     monkeypatch.setenv("STREAMCOLL_SYNC_EVENTS", "x")
     with pytest.raises(ValueError, match="STREAMCOLL_SYNC_EVENTS: expected an integer >= 0, got 'x'"):
         every()
@@ -382,7 +384,7 @@ def test_sync_events_sample_and_never_fail_the_collective(monkeypatch, caplog):
 
 
 def test_sync_events_are_off_for_cpu_communicators():
-    from streamcoll.communicator import _sync_events_for
+    from streamcoll.core.communicator import _sync_events_for
     comm = types.SimpleNamespace(_device=types.SimpleNamespace(type="cpu"))
     assert _sync_events_for(comm) is None
 
@@ -391,8 +393,8 @@ def test_the_generated_cuda_launcher_with_events_compiles():
     """The {record} statements inside the synchronous template (every op and
     sampled) form valid code: a syntax error would only show on a GPU."""
     _need_cudart()
-    from streamcoll import launch
-    from streamcoll.sync_events import SyncEvents
+    from streamcoll.core import launch
+    from streamcoll.core.sync_events import SyncEvents
     for n in (1, 3):
         sev = SyncEvents(16, 0, n)
         body = launch._fill(  # the launcher's own filling: {record} lands inside the try
@@ -407,8 +409,8 @@ def test_the_generated_cuda_launcher_with_events_compiles():
 # ---- issue 27 (7): PREMUL_SUM on NCCL is NCCL's own (premultiplied) ------------
 def _nccl_plan_context(size: int = 8):
     from streamcoll._ffi.nccl import NCCL
-    from streamcoll.backends import get_backend
-    from streamcoll.plans import PlanContext
+    from streamcoll.core.backends import get_backend
+    from streamcoll.core.plans import PlanContext
     if not NCCL.is_available():
         pytest.skip("NCCL not loadable: " + "; ".join(getattr(NCCL, "tried", [])))
     comm = types.SimpleNamespace(_backend=get_backend("nccl"), _lib=NCCL.lib(), _rank=0, _size=size,
@@ -434,7 +436,7 @@ def test_premul_launch_creates_calls_and_destroys_the_op():
     collective with that op in its op argument, destroy, in that order; a
     failed creation returns its result without calling the collective. The
     real ncclRedOpCreatePreMulSum refuses a NULL communicator."""
-    from streamcoll.plans import _premul
+    from streamcoll.core.plans import _premul
     ctx, nccl = _nccl_plan_context()
     calls = []
 
@@ -543,6 +545,6 @@ def test_split_waits_for_a_nonblocking_child_before_a_communicator_holds_it():
     raised) before a Communicator is made for it, so the watchdog never
     registers a handle that the failed wait freed."""
     import inspect
-    from streamcoll.communicator import Communicator
+    from streamcoll.core.communicator import Communicator
     src = inspect.getsource(Communicator.split)
     assert src.index("nccl_wait_ready(") < src.index("lambda: Communicator(")

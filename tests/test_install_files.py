@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from streamcoll import install
+from streamcoll.startup import install
 
 
 def _wheel(path: Path, members) -> Path:

@@ -130,7 +130,7 @@ def _consistent(comms: List[Any]) -> Optional[str]:
             return f"{c.name}: {rt._pending} calls still pending on the comm thread"
         if not repr(rt.exec_lock).startswith("<unlocked"):
             return f"{c.name}: exec lock left held: {rt.exec_lock!r}"
-    from streamcoll.backends import get_backend
+    from streamcoll.core.backends import get_backend
     ts = get_backend("oneccl").turnstile
     ts.wake()  # settles tickets cancelled behind the turn
     nxt = _next_ticket(ts)
@@ -143,7 +143,7 @@ def _consistent(comms: List[Any]) -> Optional[str]:
 def _reap(keep: List[Any]) -> None:
     """Destroy the communicators an interrupted creation left made (oneCCL
     has a bounded number of communicator ids)."""
-    from streamcoll.communicator import _LIVE
+    from streamcoll.core.communicator import _LIVE
     for c in list(_LIVE):
         if not any(c is k for k in keep) and not c.destroyed:
             c.destroy()

@@ -21,16 +21,17 @@ import torch
 import torch.distributed as dist
 
 import streamcoll
-from streamcoll import spec
-from streamcoll.backends import get_backend
+from streamcoll.core import spec
+from streamcoll.core.backends import get_backend
 
 from conftest import needs_oneccl
 
 
 # ----------------------------------------------------------------- the table
 def test_every_collective_is_declared_once_and_everything_derives_from_it():
-    from streamcoll import debug, flight
-    from streamcoll.communicator import Communicator
+    from streamcoll.core import checks as debug
+    from streamcoll.diagnostics import flight
+    from streamcoll.core.communicator import Communicator
     names = set(spec.TABLE)
     assert names >= {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "all_gather",
                      "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single", "all_to_all", "gather",
@@ -156,7 +157,7 @@ def test_process_group_calls_take_the_fast_path(monkeypatch):
     frames): ``AllreduceOptions.reduceOp`` is a new unhashable object on
     every access, which no fast path recognised."""
     monkeypatch.setenv("STREAMCOLL_WATCHDOG", "off")
-    from streamcoll.process_group import ProcessGroupStreamcoll, StreamcollWork
+    from streamcoll.integrations.process_group import ProcessGroupStreamcoll, StreamcollWork
     pg = ProcessGroupStreamcoll(dist.HashStore(), 0, 1)
     try:
         x = torch.ones(4)
@@ -200,8 +201,8 @@ def test_small_async_calls_are_queued_quietly_and_run_by_wait(monkeypatch):
     path to the comm thread; a ProcessGroup async call takes the fast path."""
     monkeypatch.setenv("STREAMCOLL_WATCHDOG", "off")
     monkeypatch.delenv("STREAMCOLL_INLINE_ASYNC_BYTES", raising=False)
-    from streamcoll.communicator import INLINE_ASYNC_BYTES
-    from streamcoll.work import Work
+    from streamcoll.core.communicator import INLINE_ASYNC_BYTES
+    from streamcoll.core.work import Work
     c = _comm(name="inline-async")
     SUM = streamcoll.ReduceOp.SUM
     try:
@@ -237,7 +238,7 @@ def test_small_async_calls_are_queued_quietly_and_run_by_wait(monkeypatch):
             c.inline_async_bytes = -1
     finally:
         c.destroy()
-    from streamcoll.process_group import ProcessGroupStreamcoll
+    from streamcoll.integrations.process_group import ProcessGroupStreamcoll
     pg = ProcessGroupStreamcoll(dist.HashStore(), 0, 1)
     try:
         x = torch.ones(4)
@@ -435,7 +436,7 @@ def test_watchdog_sees_a_stuck_sync_call_after_many_async_ops(monkeypatch, capfd
     """Issue 12 (11): after more than 256 async operations the watchdog must
     still see a synchronous call that does not return (it scans newest first)."""
     import time
-    from streamcoll.spec import Plan
+    from streamcoll.core.spec import Plan
     monkeypatch.setenv("STREAMCOLL_WATCHDOG", "fail")
     c = _comm(name="wd-scan", timeout=1.0)
     try:
@@ -451,8 +452,8 @@ def test_watchdog_sees_a_stuck_sync_call_after_many_async_ops(monkeypatch, capfd
         c._launch("broadcast", Plan(stuck, (), None, (t,), (t,), "broadcast"), False, None)
         assert isinstance(c.failure, streamcoll.CollectiveTimeout), c.failure
         assert "broadcast" in str(c.failure) and "302" in str(c.failure)
-        from streamcoll import watchdog
-        # reported through the streamcoll.watchdog logger (issue 15)
+        from streamcoll.diagnostics import watchdog
+        # reported through the streamcoll.diagnostics.watchdog logger (issue 15)
         assert any("streamcoll watchdog: broadcast (sequence number 302)" in m for m in watchdog.WATCHDOG.fired)
     finally:
         c.destroy()
@@ -464,7 +465,7 @@ def test_work_in_flight_when_the_communicator_failed_raises_after_it_completes(m
     wait() even once its call ran to the end (as after ncclCommAbort and a
     synchronize on a GPU); one that had completed before does not."""
     import time
-    from streamcoll.spec import Plan
+    from streamcoll.core.spec import Plan
     monkeypatch.setenv("STREAMCOLL_WATCHDOG", "off")
     monkeypatch.setenv("STREAMCOLL_INLINE_ASYNC_BYTES", "0")  # work in flight: the comm thread's
     c = _comm(name="failed-inflight")

@@ -1,4 +1,4 @@
-"""The launcher table (streamcoll/launchers.py) as pure logic over
+"""The launcher table (streamcoll/startup/launchers.py) as pure logic over
 environment dicts: which launcher is detected, what it says, the SLURM
 nodelist and tasks-per-node forms, the rendezvous each derives, and the
 refusals that keep a job from becoming a silent 1-rank world. The real
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from streamcoll import launchers
-from streamcoll.errors import RendezvousError
-from streamcoll.launchers import Launch, adopt, detect, first_host, slurm_port, tasks_on_node
+from streamcoll.startup import launchers
+from streamcoll._ffi.errors import RendezvousError
+from streamcoll.startup.launchers import Launch, adopt, detect, first_host, slurm_port, tasks_on_node
 
 # What srun -n 2 and mpiexec -n 2 set here (measured: SLURM 22.05, MPICH 5.0.2 hydra).
 SRUN = {"SLURM_PROCID": "1", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2",

@@ -5,7 +5,7 @@ top-level ones, those under ``if TYPE_CHECKING:`` and those inside
 functions (an import deferred to run time still ties the two modules: it only
 hides the circle from the first import); and imports one way through the
 layers of :data:`LAYERS`, so that the core never imports the diagnostics
-that observe it (they attach through :mod:`streamcoll.hooks`)."""
+that observe it (they attach through :mod:`streamcoll.core.hooks`)."""
 from __future__ import annotations
 
 import ast
@@ -119,79 +119,37 @@ def test_no_import_circle():
     the core depend on its observers (issue 44). ``TYPE_CHECKING`` imports
     count too: a type checker follows them."""
     g = _graph(_modules())
-    assert g["streamcoll.communicator"] >= {"streamcoll.p2p", "streamcoll.fast_paths"}  # the graph is read
-    assert "streamcoll.process_group" in g["streamcoll"]  # and the package face's imports
+    assert g["streamcoll.core.communicator"] >= {"streamcoll.core.p2p", "streamcoll.core.fast_paths"}  # the graph is read
+    assert "streamcoll.integrations.process_group" in g["streamcoll"]  # and the package face's imports
     circles = _circles(g)
     assert circles == [], "import circles (every import counted): " + "; ".join(
         " ".join(sorted(m.replace("streamcoll.", "") for m in c)) for c in circles)
 
 
-# The layers, lowest first: a module imports only modules of its own layer or
-# lower ones (issue 44). binding: the C declarations and the library
-# loaders (and the exception family they raise); core: what launches
-# collectives, records them and checks them before the launch; diagnostics:
-# what observes the core (the watchdog, flight dumps and their analysis,
-# signals, /dev/shm cleanup), attached through streamcoll.hooks; start-up:
-# finding the ranks, the hosts and the environment, and making a
-# communicator; integrations: torch.distributed's process group, torch.compile's
-# ops, DDP-style gradient sync; face: the package and its commands.
+# The layers, lowest first, one subpackage each: a module imports only
+# modules of its own layer or lower ones. binding (streamcoll._ffi): the C
+# declarations, the library loaders and the exception family they raise;
+# core: what launches collectives, records them and checks them before the
+# launch; diagnostics: what observes the core (the watchdog, flight dumps and
+# their analysis, signals, /dev/shm cleanup), attached through
+# streamcoll.core.hooks; start-up: finding the ranks, the hosts and the
+# environment, and making a communicator; integrations: torch.distributed's
+# process group, torch.compile's ops, DDP-style gradient sync; face: the
+# package, its commands and the benchmark tools.
 ORDER = ["binding", "core", "diagnostics", "start-up", "integrations", "face"]
 LAYERS: Dict[str, str] = {
-    "streamcoll._ffi": "binding",  # and every module under it
+    "streamcoll._ffi": "binding",  # each entry covers every module under it
     "streamcoll._native": "binding",
-    "streamcoll.errors": "binding",
-
-    "streamcoll.ops": "core",
-    "streamcoll.spec": "core",
-    "streamcoll.validation": "core",
-    "streamcoll.timeouts": "core",
-    "streamcoll.env_vars": "core",
-    "streamcoll.profiling": "core",
-    "streamcoll.turnstile": "core",
-    "streamcoll.helper_threads": "core",
-    "streamcoll.callbacks": "core",
-    "streamcoll.sync_events": "core",
-    "streamcoll.streams": "core",
-    "streamcoll.work": "core",
-    "streamcoll.plans": "core",
-    "streamcoll.recorder": "core",
-    "streamcoll.launch": "core",
-    "streamcoll.fast_paths": "core",
-    "streamcoll.general_methods": "core",
-    "streamcoll._methods": "core",
-    "streamcoll.debug": "core",
-    "streamcoll.hooks": "core",
-    "streamcoll.backends": "core",
-    "streamcoll.async_launch": "core",
-    "streamcoll.p2p": "core",
-    "streamcoll.communicator": "core",
-
-    "streamcoll.watchdog": "diagnostics",
-    "streamcoll.flight": "diagnostics",
-    "streamcoll.fr_torch": "diagnostics",
-    "streamcoll.signals": "diagnostics",
-    "streamcoll.shm_regions": "diagnostics",
-
-    "streamcoll.hosts": "start-up",
-    "streamcoll.logs": "start-up",
-    "streamcoll.launchers": "start-up",
-    "streamcoll.topology": "start-up",
-    "streamcoll.env": "start-up",
-    "streamcoll.rendezvous": "start-up",
-    "streamcoll.bootstrap": "start-up",
-    "streamcoll.install": "start-up",
-
-    "streamcoll.process_group": "integrations",
-    "streamcoll.torch_hooks": "integrations",
-    "streamcoll.custom_ops": "integrations",
-    "streamcoll.grad_sync": "integrations",
-    "streamcoll.torch_version": "integrations",
-
+    "streamcoll.core": "core",
+    "streamcoll.diagnostics": "diagnostics",
+    "streamcoll.startup": "start-up",
+    "streamcoll.integrations": "integrations",
     "streamcoll": "face",
     "streamcoll.__main__": "face",
     "streamcoll.collectives": "face",
+    "streamcoll.flight": "face",
     "streamcoll._stubgen": "face",
-    "streamcoll.bench": "face",  # and every module under it
+    "streamcoll.bench": "face",
 }
 
 
@@ -215,7 +173,7 @@ def test_every_module_has_a_layer():
 
 def test_no_module_imports_a_higher_layer():
     """The core never imports the diagnostics (they attach to it through
-    streamcoll.hooks), nothing below start-up imports it, and so on up."""
+    streamcoll.core.hooks), nothing below start-up imports it, and so on up."""
     g = _graph(_modules())
     up = sorted(f"{m} ({_layer(m)}) -> {t} ({_layer(t)})" for m, ts in g.items() for t in ts
                 if _layer(m) and _layer(t) and ORDER.index(_layer(t)) > ORDER.index(_layer(m)))
@@ -224,22 +182,79 @@ def test_no_module_imports_a_higher_layer():
 
 def test_observers_attach_whichever_module_is_imported_first():
     """The core calls the watchdog and torch-format dumps through
-    streamcoll.hooks, never by import: importing a core module alone (which
+    streamcoll.core.hooks, never by import: importing a core module alone (which
     runs the package's __init__ first) must find every slot filled, so no
     communicator is created unwatched. ``python -m streamcoll.flight`` still
     runs without the runpy warning (the package does not import flight)."""
     code = ("import sys, warnings\n"
             "warnings.simplefilter('error')\n"
-            "import streamcoll.communicator\n"
-            "from streamcoll import hooks, watchdog, fr_torch\n"
+            "import streamcoll.core.communicator\n"
+            "from streamcoll.core import hooks\n"
+            "from streamcoll.diagnostics import watchdog, fr_torch\n"
             "assert hooks.on_create == [watchdog.register], hooks.on_create\n"
             "assert hooks.on_timeout is watchdog.handle_timeout\n"
             "assert hooks.teardown_guard is watchdog.skip_native_teardown\n"
             "assert hooks.on_dump == [fr_torch._after_dump], hooks.on_dump\n"
-            "assert 'streamcoll.flight' not in sys.modules\n")
+            "assert 'streamcoll.diagnostics.flight' not in sys.modules\n")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     p = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "streamcoll.flight", "--help"],
                        env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "RuntimeWarning" not in p.stderr, p.stderr[-3000:]
+
+
+def _plant(tmp_path, files: Dict[str, str]) -> Dict[str, str]:
+    """A copy of the package's module table with ``files`` (relative path ->
+    source) written under ``tmp_path`` in their place."""
+    mods = _modules()
+    for rel, src in files.items():
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(src)
+        mods[rel[:-3].replace("/", ".").replace(os.sep, ".")] = str(p)
+    return mods
+
+
+def test_the_checks_fail_on_a_back_up_arrow_and_a_circle_made_in_a_function(tmp_path):
+    """The checks see what issue 44's tree had: a core module that imports a
+    diagnostic inside a function (a back-up arrow), and two modules that
+    import each other only at run time (a circle)."""
+    core = open(_modules()["streamcoll.core.spec"], encoding="utf-8").read()
+    mods = _plant(tmp_path, {"streamcoll/core/spec.py": core + "\n\ndef _late():\n    from ..diagnostics import watchdog\n"})
+    g = _graph(mods)
+    assert "streamcoll.diagnostics.watchdog" in g["streamcoll.core.spec"]
+    assert ORDER.index(_layer("streamcoll.diagnostics.watchdog")) > ORDER.index(_layer("streamcoll.core.spec"))
+    assert _circles(g), "spec -> watchdog -> ... -> spec is a circle"
+    mods = _plant(tmp_path, {"streamcoll/core/ops.py": open(_modules()["streamcoll.core.ops"]).read()
+                             + "\n\nif False:\n    from .validation import check_op\n"})
+    g = _graph(mods)
+    assert "streamcoll.core.validation" in g["streamcoll.core.ops"]
+
+
+SUBPACKAGES = ["streamcoll._ffi", "streamcoll.core", "streamcoll.diagnostics", "streamcoll.startup",
+               "streamcoll.integrations"]
+
+
+def test_each_subpackage_says_its_job_in_two_lines_and_imports_nothing():
+    """Importing one module of a subpackage must not import its siblings (the
+    package's import order is the face's), and its folder says what it holds."""
+    mods = _modules()
+    for sub in SUBPACKAGES:
+        with open(mods[sub], encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+        doc = ast.get_docstring(tree) or ""
+        assert 1 <= len(doc.splitlines()) <= 2, f"{sub}: its docstring says its job in two lines: {doc!r}"
+        assert _imports(tree) == [], f"{sub}/__init__.py imports"
+
+
+def test_no_issue_numbers_in_the_library():
+    """The why lives in the code and docs/, not in a tracker reference."""
+    import re
+    found = []
+    for m, path in _modules().items():
+        with open(path, encoding="utf-8") as fh:
+            for i, line in enumerate(fh, 1):
+                if re.search(r"\bissues? #?\d+", line, re.IGNORECASE):
+                    found.append(f"{os.path.relpath(path, ROOT)}:{i}")
+    assert found == [], f"issue numbers in library code: {found}"

@@ -22,10 +22,10 @@ from typing import Dict, Optional
 import pytest
 
 import streamcoll
-from streamcoll import env as sc_env
+from streamcoll.startup import env_defaults as sc_env
 from streamcoll._ffi import nccl as nccl_mod
 from streamcoll._ffi import oneccl as oneccl_mod
-from streamcoll.errors import LibraryNotFoundError
+from streamcoll._ffi.errors import LibraryNotFoundError
 
 from conftest import needs_nccl, needs_oneccl
 from world import TORCHRUN_ENV
@@ -94,7 +94,7 @@ def _nowhere(tmp_path: Path) -> Dict[str, str]:
 def test_missing_library_lists_every_place_tried_and_the_install_command(tmp_path):
     res = run_child("""
 from streamcoll._ffi.oneccl import _Oneccl
-from streamcoll.errors import LibraryNotFoundError
+from streamcoll._ffi.errors import LibraryNotFoundError
 b = _Oneccl()
 result = {"candidates": b.candidates()}
 try:

@@ -128,7 +128,7 @@ def _check_collectives(comm) -> List[str]:
 
 def _world() -> None:
     import streamcoll
-    from streamcoll import env
+    from streamcoll.startup import env_defaults as env
     rank = int(os.environ["RANK"])
     t0 = time.monotonic()
     comm = streamcoll.init(timeout=float(os.environ.get("MULTIHOST_INIT_TIMEOUT", "60")))  # no arguments but the timeout: what torchrun gives
@@ -180,7 +180,7 @@ def _against_gloo() -> None:
     import torch
     import torch.distributed as dist
     import streamcoll
-    from streamcoll import env
+    from streamcoll.startup import env_defaults as env
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     comm = streamcoll.init(timeout=60)
@@ -326,7 +326,7 @@ if __name__ != "__main__":
         (not under torchrun, whose agent ends a failed rank's peers itself)
         the last rank dies and the survivors end within the timeout plus
         2 s, with exit code 86, and their flight records name the dead rank."""
-        from streamcoll import flight
+        from streamcoll.diagnostics import flight
         n = 2 * per_host
         # Fresh PID namespaces started alike give equal pids; oneCCL cannot
         # tell such ranks apart when their hostnames are equal too (see the
@@ -420,7 +420,7 @@ if __name__ != "__main__":
         25): the same collectives on gloo and streamcoll in the same
         processes give the same values; every rank finds four hosts, the
         routed interface, and the transport defaults for 4 ranks on this
-        machine's cores (streamcoll.env)."""
+        machine's cores (streamcoll.startup.env_defaults)."""
         names = ("node-a", "node-b", "node-c", "node-d")
         with netns.Hosts(names, pid_shift=(0, 5, 10, 15)) as hosts:
             assert hosts.switch
@@ -431,7 +431,7 @@ if __name__ != "__main__":
                 run.kill()
         info = run.describe()
         over = len(os.sched_getaffinity(0)) < 4  # all four hosts share this machine's cores
-        from streamcoll.env import POW2_ALLREDUCE as env_pow2
+        from streamcoll.startup.env_defaults import POW2_ALLREDUCE as env_pow2
         for r in range(4):
             res = run.result(r)
             assert len(res.get("compared", ())) == 9, f"rank {r} did not finish\n{info}"

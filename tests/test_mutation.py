@@ -29,7 +29,7 @@ def test_every_break_applies_once_and_names_its_tests():
     assert len(set(names)) == len(names), "two breaks share a name"
     assert sum(m.ci for m in ms) >= 5
     derived = {m.name.split(":")[0] for m in mutation_check.derived()}
-    from streamcoll import spec
+    from streamcoll.core import spec
     # one of each kind the planner allows, for the collectives with planners of their own
     assert {"all_reduce", "broadcast", "reduce", "gather", "scatter", "all_gather"} <= derived, derived
     for m in ms:

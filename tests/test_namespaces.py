@@ -68,8 +68,8 @@ def _spawn(code: str, envs: List[Dict[str, str]], tmp_path, timeout: float = 240
 
 _SIZES = r"""
 import datetime, json, os, time, torch.distributed as dist
-from streamcoll import bootstrap
-from streamcoll.errors import RendezvousError
+from streamcoll.startup import bootstrap
+from streamcoll._ffi.errors import RendezvousError
 rank = int(os.environ["RANK"])
 tcp = dist.TCPStore("127.0.0.1", int(os.environ["STORE_PORT"]), 1, False, datetime.timedelta(seconds=60))
 out = {}
@@ -161,8 +161,8 @@ def test_two_processes_claiming_one_rank_the_second_raises_at_once():
     process that holds the rank, and the first one's timeout says why."""
     import torch.distributed as dist
     from dataclasses import replace
-    from streamcoll import bootstrap, topology
-    from streamcoll.errors import RendezvousError
+    from streamcoll.startup import bootstrap, topology
+    from streamcoll._ffi.errors import RendezvousError
     store = dist.HashStore()
     me = topology.local_facts(0)
     facts = [replace(me, pid=40001), replace(me, pid=40002)]
@@ -191,8 +191,8 @@ def test_two_processes_claiming_one_rank_the_second_raises_at_once():
 
 _JOB = r"""
 import json, os, sys, time, torch.distributed as dist, datetime
-from streamcoll import bootstrap, launchers
-from streamcoll.errors import RendezvousError
+from streamcoll.startup import bootstrap, launchers
+from streamcoll._ffi.errors import RendezvousError
 launchers.adopt()  # srun's variables: RANK, WORLD_SIZE, ... (MASTER_ADDR/MASTER_PORT given: the colliding port)
 rank, job = int(os.environ["RANK"]), os.environ["SLURM_JOB_ID"]
 tcp = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 1, False, datetime.timedelta(seconds=60))

@@ -43,9 +43,9 @@ def test_nothing_on_stdout_from_the_library(level, tmp_path):
 
 
 def test_watchdog_reports_through_the_logger(monkeypatch, caplog):
-    """The watchdog's report is a ``streamcoll.watchdog`` log record (before:
+    """The watchdog's report is a ``streamcoll.diagnostics.watchdog`` log record (before:
     written to ``sys.stderr`` directly)."""
-    from streamcoll import watchdog
+    from streamcoll.diagnostics import watchdog
     monkeypatch.setenv("STREAMCOLL_WATCHDOG", "fail")
     with caplog.at_level(logging.ERROR, logger="streamcoll"):
         with watchdog.guard("init of test thing", 0.1):
@@ -54,7 +54,7 @@ def test_watchdog_reports_through_the_logger(monkeypatch, caplog):
                 assert time.monotonic() < deadline, "the watchdog never reported"
                 time.sleep(0.05)
     (rec,) = [r for r in caplog.records if "init of test thing" in r.getMessage()]
-    assert rec.name == "streamcoll.watchdog" and rec.levelno == logging.ERROR
+    assert rec.name == "streamcoll.diagnostics.watchdog" and rec.levelno == logging.ERROR
     assert "has not completed after" in rec.getMessage()
 
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import streamcoll  # noqa: F401  (importing registers the backend)
-from streamcoll.errors import CommunicatorError
-from streamcoll.process_group import ProcessGroupStreamcoll, StreamcollWork
+from streamcoll._ffi.errors import CommunicatorError
+from streamcoll.integrations.process_group import ProcessGroupStreamcoll, StreamcollWork
 
 from conftest import get_world, needs_oneccl
 from world import free_port

@@ -1,4 +1,4 @@
-"""What a plan keeps (``Plan.keep``, streamcoll.spec): the tensors the call
+"""What a plan keeps (``Plan.keep``, streamcoll.core.spec): the tensors the call
 uses, on every rank, root or not (a scatter's, below; an all_gather's input
 at the end).
 
@@ -9,7 +9,7 @@ the queued item holds the whole plan until the C call returned, and the
 plan's ``outputs`` are the same tensor (a non-root rank's keep and outputs
 are both ``(tensor,)``), so dropping it from ``keep`` changes no lifetime.
 Description: the flight record takes an async entry's tensors, and a
-running synchronous call's, from ``keep`` (streamcoll.recorder); they are
+running synchronous call's, from ``keep`` (streamcoll.core.recorder); they are
 the shapes a dump and a hang's diagnosis show. That role is observable on
 the CPU, and is what this test checks: a plan that keeps nothing (the
 mutation check's ``scatter: keep-alive skipped``) leaves the receiving
@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from streamcoll import flight
+from streamcoll.diagnostics import flight
 
 from conftest import needs_oneccl
 

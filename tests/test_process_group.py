@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import streamcoll  # noqa: F401  (importing registers the backend)
-from streamcoll.process_group import ProcessGroupStreamcoll, StreamcollWork
+from streamcoll.integrations.process_group import ProcessGroupStreamcoll, StreamcollWork
 
 from conftest import get_world, needs_oneccl
 from world import World, free_port, settle_gloo
@@ -467,7 +467,7 @@ def test_multi_gpu_ranks_meet_under_one_store_key(monkeypatch):
     Computed on the CPU: the process group hands ``new_communicator`` its
     store, which is replaced here by the exchange the real one starts with
     (rank 0 publishes, rank 1 reads, through the real store and prefixes)."""
-    from streamcoll import bootstrap
+    from streamcoll.startup import bootstrap
 
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=2))

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import streamcoll
-from streamcoll import profiling
+from streamcoll.core import profiling
 
 from conftest import get_world, needs_oneccl
 from world import free_port

@@ -35,7 +35,7 @@ if HERE not in sys.path:
 
 from world import Processes  # noqa: E402
 
-EXIT_CODE = 86  # streamcoll.watchdog.EXIT_CODE (checked below)
+EXIT_CODE = 86  # streamcoll.diagnostics.watchdog.EXIT_CODE (checked below)
 
 
 # ===================================================================== ranks
@@ -160,7 +160,7 @@ def _init_never_joined() -> None:
     store = dist.HashStore()
     # Rank 1's part of the host exchange that precedes init, so that rank 0
     # reaches the native init call (the store's own waits time out by themselves).
-    from streamcoll import topology
+    from streamcoll.startup import topology
     dist.PrefixStore("streamcoll/comm/2/1/", store).set(topology.exchange_key(1), topology.local_facts(1).to_json())
     _out("rank0.json", {"init_started": time.time()})
     streamcoll.new_communicator(backend="oneccl", device="cpu", rank=0, world_size=2, store=store,
@@ -181,7 +181,7 @@ if __name__ != "__main__":
     import pytest
 
     import streamcoll
-    from streamcoll import flight, watchdog
+    from streamcoll.diagnostics import flight, watchdog
 
     from conftest import needs_oneccl
 
@@ -335,7 +335,7 @@ if __name__ != "__main__":
     def _dbg_call(comm, case):
         """One collective with debug checks on; rank 1 or 2 deviates per ``case``."""
         import torch
-        from streamcoll import debug
+        from streamcoll.core import checks as debug
         debug.enable(comm)
         old_timeout = comm.timeout
         r = comm.rank
@@ -378,7 +378,7 @@ if __name__ != "__main__":
     def _dbg_matching(comm):
         """Every checked collective with matching arguments passes the checks and computes."""
         import torch
-        from streamcoll import debug
+        from streamcoll.core import checks as debug
         debug.enable(comm)
         try:
             r, n = comm.rank, comm.size
@@ -455,7 +455,7 @@ if __name__ != "__main__":
 
     def test_debug_checks_from_environment(monkeypatch):
         import torch.distributed as dist
-        from streamcoll import debug
+        from streamcoll.core import checks as debug
         monkeypatch.setenv("STREAMCOLL_DEBUG_CHECKS", "1")
         c = streamcoll.new_communicator(backend="oneccl", device="cpu", rank=0, world_size=1,
                                         store=dist.HashStore())
@@ -504,7 +504,7 @@ if __name__ != "__main__":
         """A 2-rank NCCL init whose rank 1 never comes: polled, aborted, CollectiveTimeout."""
         import torch.distributed as dist
         store = dist.HashStore()
-        from streamcoll import topology
+        from streamcoll.startup import topology
         # a fresh store: the first communicator named "comm" on it has namespace 1 (numbered through the store)
         dist.PrefixStore("streamcoll/comm/2/1/", store).set(
             topology.exchange_key(1), topology.local_facts(1).to_json())

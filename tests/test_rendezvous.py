@@ -242,7 +242,7 @@ def test_subgroups_derive_their_topology(tmp_path):
 
 _TORCHRUN_BARE = r"""
 import os, torch, streamcoll
-from streamcoll import env
+from streamcoll.startup import env_defaults as env
 c = streamcoll.init(backend="oneccl", device="cpu", timeout=60)
 t = torch.full((3,), float(c.rank + 1))
 c.all_reduce(t, op=streamcoll.ReduceOp.AVG)
@@ -258,7 +258,7 @@ def test_torchrun_job_with_none_of_the_suites_variables(tmp_path):
     """A user's job: ``torchrun --nproc-per-node 2`` from an environment with
     no MASTER_ADDR, CCL_KVS_IFACE, NCCL_SOCKET_IFNAME or OMP_NUM_THREADS
     (world.bare_env). streamcoll's own single-host default chooses the
-    oneCCL interface (``CCL_KVS_IFACE=lo``, applied by streamcoll.env around
+    oneCCL interface (``CCL_KVS_IFACE=lo``, applied by streamcoll.startup.env_defaults around
     the native calls and gone from ``os.environ`` afterwards: issue 20), and
     the values are right."""
     script = tmp_path / "bare.py"

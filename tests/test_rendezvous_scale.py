@@ -2,7 +2,7 @@
 number of store requests per rank, the same topology the all-pairs exchange
 computed, and the failures named. Simulated ranks (threads over a few
 processes, each rank its own TCPStore client under a counting store) run
-the real ``streamcoll.bootstrap.rendezvous``; no native library."""
+the real ``streamcoll.startup.bootstrap.rendezvous``; no native library."""
 from __future__ import annotations
 
 import os
@@ -16,10 +16,10 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
-from streamcoll import bootstrap, topology
+from streamcoll.startup import bootstrap, topology
 from streamcoll.bench.rendezvous import CountingStore, Server, simulate, synthetic_facts
-from streamcoll.errors import CommunicatorError, RendezvousError
-from streamcoll.topology import RankFacts, Route
+from streamcoll._ffi.errors import CommunicatorError, RendezvousError
+from streamcoll.startup.topology import RankFacts, Route
 
 from world import free_port
 
@@ -28,7 +28,7 @@ from world import free_port
 @dataclass
 class AllPairs:
     """What every rank computed before issue 24, from every rank's facts
-    (streamcoll/topology.py's Topology at de39bfe, verbatim but for names):
+    (streamcoll/startup/topology.py's Topology at de39bfe, verbatim but for names):
     the reference the published layout must reproduce on every rank."""
 
     facts: List[RankFacts]
@@ -204,7 +204,7 @@ def test_rank_0_that_never_comes_leaves_a_clear_error_within_the_timeout():
 
 _RANK0 = r"""
 import sys, time, datetime, torch.distributed as dist
-from streamcoll import bootstrap
+from streamcoll.startup import bootstrap
 from streamcoll.bench.rendezvous import synthetic_facts
 port = int(sys.argv[1])
 store = dist.TCPStore("127.0.0.1", port, 1, True, datetime.timedelta(seconds=60), wait_for_workers=False)
@@ -214,7 +214,8 @@ bootstrap.rendezvous(store, 0, 3, timeout=30, facts=synthetic_facts(0), make_uid
 
 _RANK1 = r"""
 import sys, time, datetime, torch.distributed as dist
-from streamcoll import bootstrap, RendezvousError
+from streamcoll import RendezvousError
+from streamcoll.startup import bootstrap
 from streamcoll.bench.rendezvous import synthetic_facts
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 1, False, datetime.timedelta(seconds=60))
 print("JOINED", flush=True)

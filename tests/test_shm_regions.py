@@ -203,7 +203,7 @@ def _sandbox(plan: str, out: str) -> None:
         res["held"] = _read(os.path.join(d, "rank0.json"))
         res["before"] = _shm()
         res["pid_here"] = os.path.exists(f"/proc/{PID_BASE}")
-        from streamcoll import shm_regions
+        from streamcoll.diagnostics import shm_regions
         res["swept"] = [r.path for r in shm_regions.sweep()]
         res["after_sweep"] = _shm()
         open(os.path.join(d, "release"), "w").close()
@@ -313,7 +313,7 @@ if __name__ != "__main__":
         return p
 
     def test_sweep_removes_only_unused_regions_of_this_user(tmp_path, caplog):
-        from streamcoll import shm_regions
+        from streamcoll.diagnostics import shm_regions
         d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None, prefix="sweeptest-")
         try:
             dead = _region_file(d, "4000001:0:0", 2)
@@ -410,7 +410,7 @@ if __name__ != "__main__":
             shutil.rmtree(d, ignore_errors=True)
 
     def test_region_names():
-        from streamcoll.shm_regions import region_pid
+        from streamcoll.diagnostics.shm_regions import region_pid
         assert region_pid("123:0:0") == 123 and region_pid("7:1000:0:1") == 7
         assert region_pid("123:0:0_5") is None and region_pid("nccl-abc") is None and region_pid("123") is None
 
@@ -419,7 +419,7 @@ if __name__ != "__main__":
         """A plain 1-rank job that exits without destroy while the watchdog
         skips the native teardown (as after a stuck call): its region goes."""
         code = ("import os, streamcoll, torch\n"
-                "from streamcoll import watchdog\n"
+                "from streamcoll.diagnostics import watchdog\n"
                 "c = streamcoll.init(backend='oneccl', device='cpu')\n"
                 "c.all_reduce(torch.ones(4))\n"
                 "import json\n"

@@ -161,7 +161,7 @@ if __name__ != "__main__":
         assert {"SIGSEGV", "SIGBUS", "SIGABRT", "SIGINT"} <= set(res["caught"]), res
         # SIGTERM's default (kill) becomes a Python handler that removes this process's /dev/shm regions,
         # then ends it by SIGTERM under the default again: the exit status above stays -15 (issue 26).
-        from streamcoll import shm_regions
+        from streamcoll.diagnostics import shm_regions
         assert "SIGTERM" in res["caught"] and res["term_handler"] == shm_regions._end_by_signal.__qualname__, res
 
     @pytest.mark.parametrize("twice", [False, True], ids=["once", "twice"])
@@ -172,7 +172,7 @@ if __name__ != "__main__":
         once. Before the fix the Ctrl-C was swallowed by oneCCL's handler
         (status 1, no message); with only Python's handler it would wait
         for the watchdog's timeout (120 s here)."""
-        from streamcoll.signals import INTERRUPT_GRACE_S
+        from streamcoll.diagnostics.signals import INTERRUPT_GRACE_S
         ranks = Ranks("stuck", 2, tmp_path)
         try:
             ranks.until(1, "ready")

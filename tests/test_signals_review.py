@@ -63,7 +63,7 @@ def _rank(where: str) -> None:
     use_streamcoll = os.environ.get("SIGNALS_NO_STREAMCOLL") != "1"
     waiter = int(os.environ.get("SIGNALS_WAITER", "0"))  # init_wait: the rank that waits in the native init
     if where == "init_wait" and rank != waiter:  # the other rank comes to the native init 30 s late
-        from streamcoll import backends
+        from streamcoll.core import backends
         real = backends.Backend.init_rank
 
         def slow(self, *a, **k):
@@ -71,7 +71,7 @@ def _rank(where: str) -> None:
             return real(self, *a, **k)
         backends.Backend.init_rank = slow
     if where == "init_wait" and rank == waiter:
-        from streamcoll import backends
+        from streamcoll.core import backends
         real0 = backends.Backend.init_rank
 
         def mark(self, *a, **k):
@@ -312,7 +312,7 @@ if __name__ != "__main__":
         assert ranks.procs[0].returncode == -signal.SIGTERM, info
         assert res["regions"] and not [p for p in res["regions"] if os.path.exists(p)], res
 
-    @pytest.mark.xfail(strict=True, reason="known limit (streamcoll/signals.py): an event loop closed after "
+    @pytest.mark.xfail(strict=True, reason="known limit (streamcoll/diagnostics/signals.py): an event loop closed after "
                        "init leaves the wakeup fd at -1 and the watcher blind; Python offers no way to see it")
     def test_sigterm_ends_the_rank_after_an_event_loop_released_the_wakeup_fd(tmp_path):
         """After init the program runs an asyncio loop with a signal handler

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import streamcoll
-from streamcoll import debug
+from streamcoll.core import checks as debug
 
 from conftest import get_world, needs_oneccl
 from world import free_port

@@ -1,5 +1,5 @@
 """Adversarial review of the pool of spare store connections
-(streamcoll/debug.py ``_SPARE``, commits a6b0f53 and a3a27bc): a destroyed
+(streamcoll/core/checks.py ``_SPARE``, commits a6b0f53 and a3a27bc): a destroyed
 communicator's deferred-check connection (``Signatures._async_store``, a
 ``store.clone()``) is handed to the next communicator on the same store.
 
@@ -53,7 +53,7 @@ def _fds() -> int:
 
 
 def _spares() -> int:
-    from streamcoll import debug
+    from streamcoll.core import checks as debug
     return sum(len(v) for v in list(debug._SPARE.values()))
 
 
@@ -63,7 +63,7 @@ def _new_communicators_destroyed_and_kept(comm, n, pool):
     all_reduce (its check through a clone), destroy; the destroyed objects
     are kept (a user's list, a process group). Open fds added."""
     import streamcoll
-    from streamcoll import debug
+    from streamcoll.core import checks as debug
     done_with = debug._done_with
     if not pool:
         debug._done_with = lambda store, conn: done_with(store, None)  # as before a6b0f53: closed at destroy
@@ -137,8 +137,8 @@ def test_new_communicators_on_one_store_reuse_the_connection():
 
 # ------------------------------------------------- a mismatch loses the spare
 def _mismatch_then_destroy(comm):
-    from streamcoll import debug
-    from streamcoll.errors import MismatchError
+    from streamcoll.core import checks as debug
+    from streamcoll._ffi.errors import MismatchError
     debug._SPARE.clear()  # the spares only (_forget_spares would forget the live communicators too)
     c = comm.split(0)
     try:
@@ -157,7 +157,7 @@ def test_a_mismatch_in_a_deferred_check_keeps_the_connection_for_the_next():
 
 # ------------------------------------------------------ scenarios: nothing found
 def _fork_child_and_parent(comm):
-    from streamcoll import debug
+    from streamcoll.core import checks as debug
     debug._SPARE.clear()  # the spares only (_forget_spares would forget the live communicators too)
     c = comm.split(0)
     c.all_reduce(torch.ones(3), async_op=True).wait()
@@ -207,7 +207,7 @@ def _two_threads_take_spares(comm):
     calls themselves are issued in one order below: two threads issuing
     async calls on two communicators in an order that differs between ranks
     deadlock in the process-wide turnstile whatever the pool does)."""
-    from streamcoll import debug
+    from streamcoll.core import checks as debug
     debug._SPARE.clear()  # the spares only (_forget_spares would forget the live communicators too)
     olds = [comm.split(0) for _ in range(2)]
     for c in olds:
@@ -246,7 +246,7 @@ def test_two_threads_first_async_calls_take_distinct_spares():
 
 
 def _one_rank_reuses_the_other_clones(comm):
-    from streamcoll import debug
+    from streamcoll.core import checks as debug
     c = comm.split(0)
     c.all_reduce(torch.ones(3), async_op=True).wait()
     c.destroy()
@@ -269,7 +269,7 @@ def test_rank_asymmetry_reused_versus_cloned_connection():
 
 
 def _destroy_while_the_check_waits(comm):
-    from streamcoll import debug
+    from streamcoll.core import checks as debug
     debug._SPARE.clear()  # the spares only (_forget_spares would forget the live communicators too)
     c = comm.split(0)
     r = {}
@@ -309,7 +309,7 @@ def _interrupt_after_the_checks_wait(comm):
     """A KeyboardInterrupt at the check's last line (after its wait), on
     both ranks alike (so neither issues the call): the connection is not
     pooled; the next communicator's first async call works."""
-    from streamcoll import debug
+    from streamcoll.core import checks as debug
     debug._SPARE.clear()  # the spares only (_forget_spares would forget the live communicators too)
     orig = debug._Checker.check
 
@@ -348,7 +348,7 @@ def _more_communicators_than_spare_max(comm):
     """SPARE_MAX + 2 children alive at once, each with its connection, all
     destroyed: SPARE_MAX kept, the rest closed; as many new children take
     the kept ones and open the rest."""
-    from streamcoll import debug
+    from streamcoll.core import checks as debug
     debug._SPARE.clear()  # the spares only (_forget_spares would forget the live communicators too)
     n = debug.SPARE_MAX + 2
     olds = [comm.split(0) for _ in range(n)]
@@ -372,7 +372,7 @@ def _more_communicators_than_spare_max(comm):
 
 
 def test_more_communicators_than_spare_max():
-    from streamcoll import debug
+    from streamcoll.core import checks as debug
     m = debug.SPARE_MAX
     w = get_world(2)
     assert w.run(_more_communicators_than_spare_max, timeout=90) == [(m, m, m + 2, True, m)] * 2

@@ -16,7 +16,7 @@ def test_non_integer_master_port_with_store_given(monkeypatch):
     parsed MASTER_PORT and raised ValueError)."""
     import torch.distributed as dist
     import streamcoll
-    from streamcoll.errors import RendezvousError
+    from streamcoll._ffi.errors import RendezvousError
     monkeypatch.setenv("MASTER_PORT", "tcp://10.96.0.5:29500")
     with pytest.raises(RendezvousError) as ei:
         streamcoll.new_communicator(backend="oneccl", device="cpu", rank=0, world_size=2, store=dist.HashStore(),

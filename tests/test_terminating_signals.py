@@ -142,7 +142,7 @@ def _swallow() -> None:
     """No native init: the watcher alone, and a loop that catches each
     KeyboardInterrupt of its sleep (the main thread's frame stands still at
     the same instruction, but Python ran the handler)."""
-    from streamcoll import signals
+    from streamcoll.diagnostics import signals
     print("watching", signals.watch_interrupts(), flush=True)
     caught = 0
     deadline = time.monotonic() + 4

@@ -13,8 +13,8 @@ import struct
 
 import pytest
 
-from streamcoll import env, topology
-from streamcoll.topology import RankFacts, Route, Topology
+from streamcoll.startup import env_defaults as env, topology
+from streamcoll.startup.topology import RankFacts, Route, Topology
 
 
 def _facts(rank, ident="A", machine="M", network="N", hostname="h", pid=None, node=None, cpus=(0, 1), route=None):
@@ -153,7 +153,7 @@ def test_user_values_are_kept_and_ccl_mnic_gets_no_mnic_name():
 
 
 def test_agreement_table_covers_every_native_variable():
-    from streamcoll import env_vars
+    from streamcoll.core import env_vars
     native = {v.name for v in env_vars.TABLE if v.name.startswith(("CCL_", "FI_", "NCCL_"))}
     assert native == set(env.AGREEMENT), native ^ set(env.AGREEMENT)
     assert set(env.MUST_AGREE) == {"CCL_ALLREDUCE", "CCL_WORKER_OFFLOAD", "CCL_YIELD", "CCL_ATL_SHM",

@@ -98,7 +98,7 @@ def test_set_pg_timeout_and_backend_api_without_a_world(monkeypatch):
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
     import streamcoll  # noqa: F401  (registers, installs the hook)
-    from streamcoll.process_group import ProcessGroupStreamcoll
+    from streamcoll.integrations.process_group import ProcessGroupStreamcoll
     assert getattr(c10d._set_pg_timeout, "_streamcoll", False)
     pg = ProcessGroupStreamcoll(dist.HashStore(), 0, 1)
     c10d._set_pg_timeout(dist.default_pg_timeout, pg)
@@ -113,7 +113,7 @@ def test_set_pg_timeout_and_backend_api_without_a_world(monkeypatch):
 
 @pytest.mark.parametrize("value, mode", [("0", "fail"), ("1", "exit"), ("2", "fail"), ("3", "exit"), ("", "exit")])
 def test_torch_async_error_handling_chooses_the_watchdog_mode(monkeypatch, value, mode):
-    from streamcoll import watchdog
+    from streamcoll.diagnostics import watchdog
     monkeypatch.delenv("STREAMCOLL_WATCHDOG", raising=False)
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", value)
     assert watchdog.mode() == mode

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import streamcoll  # noqa: F401  (importing registers the backend)
-from streamcoll.process_group import ProcessGroupStreamcoll
+from streamcoll.integrations.process_group import ProcessGroupStreamcoll
 
 from conftest import get_world, needs_oneccl
 from workloads import fsdp2_train

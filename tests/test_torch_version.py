@@ -1,6 +1,6 @@
 """The torch floor (issue 43): below torch 2.10 the features that hang or
 give wrong values there refuse at the call, naming the release
-(streamcoll/torch_version.py says what was measured below it). Here the
+(streamcoll/integrations/torch_version.py says what was measured below it). Here the
 running torch is made to look older; scripts/matrix.sh runs the suite on
 the real releases of the declared range."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import streamcoll
-from streamcoll import torch_version
-from streamcoll.torch_version import TORCH_FLOOR, TorchVersionError, require_torch, torch_release
+from streamcoll.integrations import torch_version
+from streamcoll.integrations.torch_version import TORCH_FLOOR, TorchVersionError, require_torch, torch_release
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,7 +49,7 @@ def test_the_floor_is_setup_cfgs_and_the_readmes():
 
 
 def test_process_group_refuses_an_older_torch(monkeypatch):
-    from streamcoll.process_group import create_process_group
+    from streamcoll.integrations.process_group import create_process_group
     monkeypatch.setattr(torch, "__version__", "2.9.1+cu128")
     with pytest.raises(TorchVersionError, match=r'backend="streamcoll" needs torch >= 2\.10, this is torch 2\.9\.1'):
         create_process_group(None, 0, 1)  # refused before the store is touched
@@ -57,7 +57,7 @@ def test_process_group_refuses_an_older_torch(monkeypatch):
 
 def test_compile_refuses_an_older_torch(monkeypatch):
     import torch._dynamo
-    from streamcoll import custom_ops
+    from streamcoll.integrations import custom_ops
     monkeypatch.setattr(custom_ops, "_COMPILE_REFUSAL", torch_version.refusal(
         "a streamcoll collective inside torch.compile", "why", "2.9.1+cu128"))
 

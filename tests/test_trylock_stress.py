@@ -27,8 +27,8 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from streamcoll import streams  # noqa: E402
-from streamcoll.streams import _TryLock  # noqa: E402
+from streamcoll.core import streams  # noqa: E402
+from streamcoll.core.streams import _TryLock  # noqa: E402
 
 
 class _Async(BaseException):

@@ -2,7 +2,7 @@
 the call that holds it (issue 33, findings 8 and 9). Real oneCCL, 2 ranks.
 
 oneCCL is entered by one call at a time per process, in issue order
-(:mod:`streamcoll.turnstile`). A call queued behind another communicator's
+(:mod:`streamcoll.core.turnstile`). A call queued behind another communicator's
 call has not entered the library: the watchdog, ``running_calls()``, the
 init guard and the flight record say so and name the holder, instead of a
 dead-peer or firewall diagnosis.
@@ -24,8 +24,8 @@ def w_waiting_behind(comm):
     """Rank 1 reaches A's all_reduce 2 s late: on rank 0, A's call (a
     thread) holds the turn inside oneCCL, and B's call (another thread)
     waits for it. What rank 0 reports meanwhile."""
-    from streamcoll import flight
-    from streamcoll.watchdog import running_calls
+    from streamcoll.diagnostics import flight
+    from streamcoll.diagnostics.watchdog import running_calls
     b = comm.split(0)
     b.name = "B"
     x, y = torch.ones(4), torch.full((4,), 2.0)
@@ -68,7 +68,7 @@ def test_a_call_waiting_for_its_turn_is_reported_as_waiting_behind_the_holder(wo
     entry = [e for e in r0["snap"]["entries"] if e["op"] == "all_reduce"][-1]
     assert "waiting_behind" in entry and "all_reduce" in entry["waiting_behind"], entry
     # the analyzer points at the holder, not at the peer that "never arrived"
-    from streamcoll.flight import analyze
+    from streamcoll.diagnostics.flight import analyze
     d1 = dict(r0["snap"], rank=1, entries=[e for e in r0["snap"]["entries"] if e["seq"] < entry["seq"]],
               issued=entry["seq"] - 1)
     found = analyze([r0["snap"], d1])
@@ -112,7 +112,7 @@ def w_two_threads_create_in_opposite_orders(comm, timeout):
     second.start()
     first.join(timeout + 10)
     second.join(timeout + 10)
-    from streamcoll.watchdog import WATCHDOG
+    from streamcoll.diagnostics.watchdog import WATCHDOG
     if len(made) < 2:
         return sorted(made), errors, list(WATCHDOG.fired)
     sums = {}
@@ -144,8 +144,8 @@ def test_two_communicators_created_at_once_in_opposite_orders():
 def test_an_init_waiting_for_the_turn_is_reported_as_such(monkeypatch):
     """The init guard's report when the guarded init waits for the turn:
     behind whom, and the rule, instead of "another rank died"."""
-    from streamcoll import watchdog
-    from streamcoll.backends import get_backend
+    from streamcoll.diagnostics import watchdog
+    from streamcoll.core.backends import get_backend
     ts = get_backend("oneccl").turnstile
     monkeypatch.setattr(watchdog, "_exit_now", lambda *a: None)
     monkeypatch.setenv("STREAMCOLL_WATCHDOG", "fail")

@@ -1,4 +1,4 @@
-"""Unit tier: streamcoll.turnstile, the process-wide issue order of oneCCL's
+"""Unit tier: streamcoll.core.turnstile, the process-wide issue order of oneCCL's
 calls (pure logic, threads only)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import pytest  # noqa: E402
 
-from streamcoll.turnstile import Turnstile  # noqa: E402
+from streamcoll.core.turnstile import Turnstile  # noqa: E402
 
 
 def _run_in_turn(ts: Turnstile, t: int, log: list, hold_s: float = 0.0) -> None:
@@ -139,7 +139,7 @@ def test_a_comm_thread_that_cannot_start_takes_no_ticket(monkeypatch):
     (no thread can be started) must not leave a queued item's ticket behind:
     the next call of the process would wait on it for ever."""
     import torch
-    from streamcoll.streams import CpuRuntime, _Item
+    from streamcoll.core.streams import CpuRuntime, _Item
 
     ts = Turnstile()
     rt = CpuRuntime(torch.device("cpu"), lambda h: None, ts)

@@ -187,7 +187,7 @@ def test_two_nodes_sbatch_two_steps(slurm, tmp_path):
     """``sbatch`` of a script with two ``srun`` steps (streamcoll, then gloo):
     the steps meet on different ports (from the job and step id), both give
     the same values."""
-    from streamcoll.launchers import slurm_port
+    from streamcoll.startup.launchers import slurm_port
     script = tmp_path / "two_steps.sh"
     script.write_text(f"#!/bin/bash\nset -e\nsrun -N 2 -n 2 {JOB}\nsrun -N 2 -n 2 {JOB} --backend gloo\n")
     out = tmp_path / "job.out"

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import streamcoll
-from streamcoll.spec import Plan
+from streamcoll.core.spec import Plan
 
 from conftest import needs_oneccl
 

@@ -1,5 +1,5 @@
 """Adversarial review of issue 43's version mechanisms: the torch floor and
-its refusals (streamcoll/torch_version.py, process_group.py, custom_ops.py),
+its refusals (streamcoll/integrations/torch_version.py, process_group.py, custom_ops.py),
 the compile fix passing torch's ReduceOp by ``.name`` (custom_ops._op_parts),
 ``python -m streamcoll info``'s declarations line, and the matrix tier's
 wiring (scripts/matrix.sh, scripts/test.sh).
@@ -54,7 +54,7 @@ import pytest
 import torch
 
 import streamcoll
-from streamcoll.torch_version import refusal, torch_release
+from streamcoll.integrations.torch_version import refusal, torch_release
 
 from conftest import needs_oneccl
 
@@ -104,7 +104,7 @@ def test_compiled_torch_premul_sum_keeps_its_factor(one_rank):
                           "(AsPythonConstantNotImplementedError: UserDefinedObjectVariable(ReduceOp))")
 def test_compiled_torch_reduceop_instance(one_rank):
     import torch.distributed as dist
-    from streamcoll import custom_ops
+    from streamcoll.integrations import custom_ops
     seen = []
     orig = custom_ops._reduce_op
 
@@ -125,7 +125,7 @@ def test_compiled_torch_reduceop_instance(one_rank):
 def test_compiled_spellings_reach_the_op(one_rank, spelling):
     """Found fine: each spelling reaches the compiled op as the right (name, factor)."""
     import torch.distributed as dist
-    from streamcoll import custom_ops
+    from streamcoll.integrations import custom_ops
     op, want = {"dist.SUM": (dist.ReduceOp.SUM, ("SUM", 1.0)), "dist.AVG": (dist.ReduceOp.AVG, ("AVG", 1.0)),
                 "dist.MAX": (dist.ReduceOp.MAX, ("MAX", 1.0)), "sc.MAX": (streamcoll.ReduceOp.MAX, ("MAX", 1.0)),
                 "str": ("max", ("MAX", 1.0)), "sc.premul": (streamcoll.premul_sum(2.0), ("PREMUL_SUM", 2.0))}[spelling]

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import cffi
 
-from ..errors import FunctionNotFoundError, LibraryNotFoundError
+from .errors import FunctionNotFoundError, LibraryNotFoundError
 
 __all__ = ["NATIVE_DIR", "Binding", "read_declarations", "enum_values"]
 

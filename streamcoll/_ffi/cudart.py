@@ -37,7 +37,7 @@ import os
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from ..errors import CudaError
+from .errors import CudaError
 from ._common import Binding, site_dirs
 
 __all__ = ["CUDART", "binding", "EVENT_DISABLE_TIMING"]

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import List, Tuple
 
-from ..errors import NcclError
+from .errors import NcclError
 from ._common import Binding, _loaded_in_process, site_dirs
 
 __all__ = ["NCCL", "binding"]

@@ -35,7 +35,7 @@ import os
 from pathlib import Path
 from typing import List, Tuple
 
-from ..errors import OnecclError
+from .errors import OnecclError
 from ._common import Binding, _loaded_in_process, prefixes, runtime_home
 
 INSTALL_COMMAND = "python -m streamcoll install-runtime"

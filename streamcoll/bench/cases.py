@@ -1,5 +1,5 @@
 """One benchmark case per collective, derived from its declaration in
-:mod:`streamcoll.spec`: the buffers, the three ways to run it (streamcoll,
+:mod:`streamcoll.core.spec`: the buffers, the three ways to run it (streamcoll,
 the raw C call through streamcoll's binding, torch.distributed) and the
 result that checks what was timed.
 
@@ -20,7 +20,7 @@ one group, not a collective of the table). From the declaration:
   last buffer or rank, in the declared (torch.distributed's) order; the
   torch.distributed call is the same arguments to :func:`torch_function`;
 - the raw call is the entry's C function with its arguments in the order
-  the header declares them (:func:`streamcoll.spec.c_roles`), bound once;
+  the header declares them (:func:`streamcoll.core.spec.c_roles`), bound once;
 - the expected values are the entry's ``reference``, applied once per
   timed call to every rank's inputs.
 
@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .. import spec as _spec
+from ..core import spec as _spec
 from .._ffi._common import read_declarations
 
 __all__ = ["Context", "CASES", "Case", "make_case", "exact_limit", "batches", "benchmarkable", "torch_function"]

@@ -94,7 +94,7 @@ def describe(device: str = "cpu", memcpy: bool = False) -> Dict[str, Any]:
     also measure :func:`memcpy_gbps`, about a second)."""
     import torch
     import streamcoll
-    from streamcoll import env as scenv
+    from streamcoll.startup import env_defaults as scenv
     d: Dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "nproc": os.cpu_count(),

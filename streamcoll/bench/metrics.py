@@ -21,12 +21,12 @@ from __future__ import annotations
 import statistics
 from typing import Callable, Dict, Optional, Sequence
 
-from .. import spec
+from ..core import spec
 
 __all__ = ["BUS_FACTOR", "bus_factor", "algbw", "busbw", "Stats", "summarise", "fmt_bytes", "ratio"]
 
 # collective -> busbw factor as a function of the rank count n (PERFORMANCE.md),
-# declared with each collective in streamcoll.spec; the benchmarks' send/recv pair is 1.
+# declared with each collective in streamcoll.core.spec; the benchmarks' send/recv pair is 1.
 BUS_FACTOR: Dict[str, Callable[[int], float]] = {
     **{name: s.bus_factor for name, s in spec.TABLE.items() if s.bus_factor is not None},
     "sendrecv": lambda n: 1.0,

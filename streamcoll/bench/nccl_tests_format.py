@@ -31,13 +31,13 @@ import os
 import socket
 from typing import Any, Dict, Iterable, List, Optional
 
-from .. import spec
+from ..core import spec
 
 __all__ = ["NCCL_TESTS_NAME", "TYPE_NAME", "IN_PLACE", "fmt_time", "block", "blocks", "rank_lines"]
 
 # NCCL's C function -> nccl-tests' binary name (without ``_perf``): nccl-tests
 # times NCCL's functions, so a collective's name there follows its NCCL
-# function (streamcoll.spec); the benchmarks' send/recv pair is "sendrecv".
+# function (streamcoll.core.spec); the benchmarks' send/recv pair is "sendrecv".
 _NCCL_TESTS_BY_C = {
     "ncclAllReduce": "all_reduce", "ncclAllGather": "all_gather", "ncclReduceScatter": "reduce_scatter",
     "ncclBroadcast": "broadcast", "ncclReduce": "reduce", "ncclAlltoAll": "alltoall",

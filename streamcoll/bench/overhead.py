@@ -138,7 +138,7 @@ def _label(key: str) -> str:
         return "    (empty Python loop, per iteration)"
     name, v = key.split("/")
     if v == "torch.distributed":
-        from streamcoll import spec
+        from streamcoll.core import spec
         from .cases import torch_function
         f = torch_function(spec.get(name))
         return f"{name}: torch.distributed.{getattr(f, '__name__', name)}"

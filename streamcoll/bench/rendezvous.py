@@ -9,7 +9,7 @@ same session, on the same server:
 
 - ``torch``: torch's own for a NCCL group: rank 0 sets a 128-byte key,
   every other rank gets it once.
-- ``streamcoll``: the real code, :func:`streamcoll.bootstrap.rendezvous`
+- ``streamcoll``: the real code, :func:`streamcoll.startup.bootstrap.rendezvous`
   (namespace counter, facts, rank 0's layout and unique id), plus the two
   keys ``new_communicator`` sets around the native init (``init/<rank>``,
   ``ready/<rank>``). Facts are synthetic: 8 ranks per host, a host per
@@ -151,7 +151,7 @@ class CountingStore(_store_base()):  # type: ignore[misc]  # a torch Store whose
 def synthetic_facts(rank: int, per_host: int = 8) -> Any:
     """Facts of a rank on host ``rank // per_host`` of a cluster (one host
     per machine, 8 CPUs per rank, a route over eth0)."""
-    from streamcoll.topology import RankFacts, Route
+    from streamcoll.startup.topology import RankFacts, Route
     h, local = divmod(rank, per_host)
     boot = f"{h:08x}-0000-4000-8000-{h:012x}"
     net = f"boot={boot} net=4026531840"
@@ -164,7 +164,7 @@ def synthetic_facts(rank: int, per_host: int = 8) -> Any:
 # ------------------------------------------------------------------ workers
 def _rank_body(pattern: str, store: Any, rank: int, n: int, timeout: float, per_host: int,
                keep_topology: bool, facts: Any = None) -> Dict[str, Any]:
-    from streamcoll import bootstrap, topology
+    from streamcoll.startup import bootstrap, topology
     out: Dict[str, Any] = {"rank": rank}
     if pattern == "torch":
         if rank == 0:
@@ -188,7 +188,7 @@ def _context() -> Any:
     (seconds each on a loaded 2-core machine), and plain fork copies a parent
     whose other threads (a test session's watchdog, loggers) may hold locks."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch.distributed", "streamcoll.bootstrap", __name__])
+    ctx.set_forkserver_preload(["torch.distributed", "streamcoll.startup.bootstrap", __name__])
     return ctx
 
 

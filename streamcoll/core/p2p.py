@@ -1,0 +1,208 @@
+"""Point-to-point ops with torch's semantics: :class:`P2POp`, and the
+posted ops of a :class:`~streamcoll.Communicator` (:class:`PostedOps`, one
+of its bases: its methods are the Communicator's own, found on the class,
+so having them here adds no Python frame to any call path).
+
+``isend``/``irecv``/
+``batch_isend_irecv`` are *posted* (planned and validated, nothing issued)
+and a communicator's posted ops go out as one group launch (GroupStart/
+GroupEnd, in which the library progresses sends and receives together) on
+its comm stream (CPU: comm thread). Torch's rule is that a posted op
+progresses on its own and never waits behind, or blocks, an unrelated
+operation. The libraries decide how close streamcoll can come: oneCCL's CPU
+calls block the calling thread until the peers took part, and a
+communicator must not be entered by two threads at once, so a launched p2p
+group occupies its communicator's comm thread until it completed. Hence the
+rule for when posted ops are launched:
+
+- **before anything in the process blocks on other ranks**, every
+  communicator's posted ops go out (:func:`streamcoll.core.work.launch_posted`):
+  a synchronous call on any communicator (its fast paths are off while any
+  op is posted anywhere), creating a communicator (a rendezvous), a wait
+  (``Work.wait``/``synchronize``/``get_future``: another communicator's
+  posted ops, and the waited op's own group), destroy. A peer may be blocked
+  on an op this process posted: ``A.isend(x, 1); B.all_reduce(y)`` against
+  ``A.recv(x, 0); B.all_reduce(y)`` finishes, as on gloo;
+- before another operation is issued on the same communicator, and when a
+  coalescing block opens (issue order is cross-rank order);
+- by a status query (``is_completed()``/``is_success()``/``exception()``)
+  only when the communicator's posted ops include a send, so that a loop
+  polling an exchange terminates; **never a lone receive** (the query
+  answers False/False/None): launched by a poll, it would occupy the comm
+  thread with the send posted after it queued behind, on both ranks. So
+  both ranks may ``irecv``, poll, then ``isend`` without a deadlock, and
+  without a thread per op. A loop that only polls a lone posted receive
+  never launches it: wait on it (or issue anything that blocks).
+
+A posted op goes out through the comm-stream strategy
+(:meth:`~streamcoll.core.async_launch.AsyncLaunch._launch_async`); a group of
+them is one plan between GroupStart and GroupEnd (:meth:`PostedOps._group_plan`),
+as is a coalescing block (:meth:`PostedOps.coalescing`), the other group
+launch, here too.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence
+
+import torch
+
+from . import recorder as _flight
+from . import spec as _spec
+from .async_launch import AsyncLaunch
+from .._ffi.errors import UsageError
+from .spec import Plan
+from .work import PostedWork, Work
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .plans import PlanContext
+
+__all__ = ["P2POp", "PostedOps"]
+
+
+# Point-to-point ops that are posted rather than launched (always
+# asynchronous: isend, irecv, batch_isend_irecv) and the synchronous ones
+# (send, recv), which join the posted ones' group; from the table.
+_POSTED = frozenset(n for n, s in _spec.TABLE.items() if s.p2p and s.async_mode == "always")
+_P2P_SYNC = frozenset(n for n, s in _spec.TABLE.items() if s.p2p and s.async_mode == "never")
+# Point-to-point ops that only receive (irecv, recv): posted alone, a status query leaves them posted.
+_RECEIVES = frozenset(n for n, s in _spec.TABLE.items() if s.p2p and s.send is None and s.recv is not None)
+
+
+class P2POp:
+    """A point-to-point operation for :meth:`Communicator.batch_isend_irecv`
+    (the fields of torch.distributed.P2POp: ``op`` is ``isend``/``irecv``
+    (streamcoll's or torch's), ``tensor``, ``peer``, ``group``, ``tag``)."""
+
+    __slots__ = ("op", "tensor", "peer", "group", "tag")
+
+    def __init__(self, op: Callable, tensor: torch.Tensor, peer: int, group: Any = None, tag: int = 0) -> None:
+        self.op = op
+        self.tensor = tensor
+        self.peer = peer
+        self.group = group
+        self.tag = tag
+
+
+class PostedOps(AsyncLaunch):
+    """Posting point-to-point ops and launching them as one group, and the
+    other group launch, coalescing blocks (a base of
+    :class:`~streamcoll.Communicator`)."""
+
+    if TYPE_CHECKING:  # what these methods use of the Communicator (set by its __init__)
+        _cx: PlanContext
+        _posted: List[tuple]
+        _posted_key: Any
+        _posted_stream: Any
+        _post_lock: threading.Lock
+        _coalescing: Optional[list]
+        _coalescing_thread: Optional[int]
+
+        def _posting_changed(self) -> None: ...
+        def _refresh_fast_paths(self) -> None: ...
+        def _launch(self, name: str, plan: Plan, async_op: Any, stream: Any) -> Optional[Work]: ...
+
+    def _post(self, name: str, plan: Plan) -> PostedWork:
+        """Post a p2p op: kept (validated, planned, nothing issued) until
+        :meth:`_flush_posted` launches every posted op as one group. Ops
+        posted under another current stream (GPU) first launch the ones
+        posted before, so each group's comm stream waits on the stream its
+        ops were posted under."""
+        rt = self._rt
+        key = rt.current_key()
+        if self._posted and key != self._posted_key:
+            self._flush_posted()
+        w = PostedWork(self, name, plan.outputs)
+        with self._post_lock:
+            first = not self._posted
+            self._posted.append((plan, w))
+            if first or self._posted_stream is None:
+                # the stream the ops are posted under, kept now: a lane made at
+                # flush time (maybe from another stream) must wait on this one
+                self._posted_stream = rt.current_stream()
+            self._posted_key = key
+        if first:
+            self._posting_changed()
+        return w
+
+    def _posted_sends(self) -> bool:
+        """Whether the posted ops include more than receives (what a status query may launch)."""
+        return any(w.op not in _RECEIVES for _, w in self._posted)
+
+
+    def _flush_posted(self) -> None:
+        """Launch the posted p2p ops, all in one group (one Work, one
+        sequence number; a lone op as itself). Called before anything in the
+        process blocks on other ranks (:func:`streamcoll.core.work.launch_posted`:
+        a wait, a synchronous call, destroy), before another operation is
+        issued on this communicator, when a coalescing block opens. A launch
+        error is delivered to the posted ops' Works, not raised here (the
+        caller may be an unrelated collective)."""
+        with self._post_lock:
+            posted, self._posted = self._posted, []
+            key, current, self._posted_stream = self._posted_key, self._posted_stream, None
+        if not posted:
+            return
+        self._posting_changed()
+        try:
+            if len(posted) == 1:
+                plan, w = posted[0]
+                work = self._launch_async(w.op, plan, key, current)
+            else:
+                work = self._launch_async(_flight.P2P_GROUP, self._group_plan([p for p, _ in posted]), key, current)
+        except BaseException as e:  # noqa: BLE001 - handed to the Works, raised by their wait()
+            for _, w in posted:
+                w._exc = e
+            return
+        for _, w in posted:
+            w._group = work
+            w.seq = work.seq
+
+    def _group_plan(self, plans: Sequence[Plan], cname: str = "group_end") -> Plan:
+        """One plan launching ``plans`` between GroupStart and GroupEnd, their
+        post-ops after it (coalescing blocks, posted p2p ops)."""
+        posts = [p.post for p in plans if p.post is not None]
+        calls = [(p.fn, p.args, p.cname) for p in plans]
+        fn, args = self._cx.group(calls)
+        return Plan(fn, args, (lambda: [p() for p in posts]) if posts else None,
+                    tuple(t for p in plans for t in p.keep), tuple(t for p in plans for t in p.outputs),
+                    cname, any(p.p2p for p in plans))
+
+    @contextlib.contextmanager
+    def coalescing(self, async_op: bool = False) -> Iterator["_Coalesced"]:
+        """Batch the collectives issued in the block into one group launch
+        (GroupStart/GroupEnd) with one Work and one sequence number. Yields a
+        handle whose ``work`` is the Work (``async_op=True``) once the block
+        exits, and whose ``wait()`` waits for it."""
+        if self._coalescing is not None:
+            raise UsageError("coalescing() blocks do not nest")
+        if self._posted:
+            self._flush_posted()  # ops posted before the block go first, as issued
+        handle = _Coalesced()
+        ops: List[tuple] = []
+        self._coalescing = ops
+        self._coalescing_thread = threading.get_ident()
+        self._refresh_fast_paths()
+        try:
+            yield handle
+        finally:
+            self._coalescing = None
+            self._coalescing_thread = None
+            self._refresh_fast_paths()
+        if ops:
+            plan = self._group_plan([p for _, p in ops])
+            # a block holding p2p ops is point to point for the flight analysis (it advances the p2p count)
+            handle.work = self._launch(_flight.COALESCED_P2P if plan.p2p else "coalesced", plan, async_op, None)
+
+
+class _Coalesced:
+    """What ``Communicator.coalescing()`` yields: ``work`` after the block."""
+
+    __slots__ = ("work",)
+
+    def __init__(self) -> None:
+        self.work: Optional[Work] = None
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return True if self.work is None else self.work.wait(timeout)

@@ -1,0 +1,50 @@
+"""Timeout arguments, checked once for every caller.
+
+One home for what :mod:`streamcoll.core.communicator` (the communicator's
+timeout, ``destroy(timeout=)``) and :mod:`streamcoll.core.work` (``wait(timeout)``)
+both need: before, ``work.py`` imported it back from ``communicator.py``,
+which imports ``work.py`` (the package's one import cycle).
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Union
+
+import numpy as np
+
+__all__ = ["DEFAULT_TIMEOUT", "env_timeout", "seconds"]
+
+DEFAULT_TIMEOUT = 600.0  # seconds, as torch.distributed's default for NCCL
+
+
+def env_timeout() -> float:
+    """``STREAMCOLL_TIMEOUT`` (seconds, default 600), checked: a bad value
+    names the variable instead of failing later in a store."""
+    v = os.environ.get("STREAMCOLL_TIMEOUT")
+    if v is None or not v.strip():
+        return DEFAULT_TIMEOUT
+    try:
+        t = float(v)
+    except ValueError:
+        raise ValueError(f"environment variable STREAMCOLL_TIMEOUT: expected a positive number of seconds, "
+                         f"got {v!r}") from None
+    if not t > 0 or t == float("inf"):
+        raise ValueError(f"environment variable STREAMCOLL_TIMEOUT: expected a positive finite number of "
+                         f"seconds, got {v!r}")
+    return t
+
+
+def seconds(timeout: Union[None, float, timedelta], name: str = "timeout") -> float:
+    """A timeout argument in seconds (positive, finite); None: ``STREAMCOLL_TIMEOUT``."""
+    if timeout is None:
+        return env_timeout()
+    if isinstance(timeout, timedelta):
+        t = timeout.total_seconds()
+    elif isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}: expected a number of seconds or a timedelta, got {timeout!r}")
+    else:
+        t = float(timeout)
+    if not t > 0 or t == float("inf"):
+        raise ValueError(f"{name}: expected a positive number of seconds or a timedelta, got {timeout!r}")
+    return t

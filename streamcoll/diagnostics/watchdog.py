@@ -1,0 +1,627 @@
+"""The watchdog: no collective hangs silently.
+
+Design (the CPU case decides it). A synchronous CPU collective runs inline in
+the C call on the caller's thread: it cannot be interrupted from Python, and
+oneCCL 2022.2 has no abort (``onecclCommAbort`` is declared "not
+implemented"). Measured here: when a peer is SIGKILLed, the surviving ranks
+stay inside ``onecclAllReduce`` for good. Moving every call to a comm thread
+so that a waiter could time out would cost a thread hand-off on every call
+(tens of microseconds, against a ~10 us collective) and still leave the stuck
+thread and the communicator unusable. So streamcoll keeps the inline fast path
+and, like ProcessGroupNCCL's default error handling
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING``), one watchdog thread per process ends
+the process with a clear message when an operation outlives its
+communicator's timeout:
+
+- Every operation is in the flight recorder (:mod:`streamcoll.flight`); the
+  watchdog looks at each live communicator every ``min(0.5 s, timeout / 10)``.
+  A hang is: a synchronous call that has not returned (the recorder keeps no
+  start time for those, to stay cheap: its age counts from the pass that
+  first saw it running, so detection comes up to one interval late); async
+  work running on the CPU comm thread (its start time is recorded); GPU async
+  work whose completion event has not fired (counted from its launch). A
+  synchronous call is given ``timeout``, async work ``timeout + grace``
+  (grace: 1 s, so that a ``Work.wait`` timing out at the same moment raises
+  first). The interval is ``min(0.5 s, timeout / 10)``, so a stuck
+  synchronous call (a dead peer) ends the process within the timeout plus
+  about 1 s (measured across two simulated hosts, 2 x 1 and 2 x 2, 5 s timeout:
+  5.1-5.4 s after the kill; 6.6 s with the earlier 1 s grace and 1 s interval).
+- On a hang it marks the communicator failed, writes the flight record
+  (``STREAMCOLL_FLIGHT_DIR``), reports what hung (op, sequence number, shapes,
+  rank, timeout) and what to do through the ``streamcoll.diagnostics.watchdog`` logger
+  (stderr where the program configured no logging), aborts an NCCL communicator
+  (``ncclCommAbort``), and then, by default, ends the process with
+  ``os._exit(EXIT_CODE)`` (86): a launcher such as torchrun then sees a failed
+  rank and tears the job down. ``STREAMCOLL_WATCHDOG=fail`` keeps the
+  process (the communicator is marked failed and later calls raise; a thread
+  stuck inside oneCCL stays stuck); ``STREAMCOLL_WATCHDOG=off`` watches
+  nothing (its thread then only runs for CPU communicators, to start what
+  the next item says).
+- Each pass also starts the small CPU async calls queued without waking
+  their comm thread (:mod:`streamcoll.core.work`, "When a small async call
+  starts") that nothing in the process has touched since: a caller blocked
+  on something else between issuing and waiting (a store, a gloo group)
+  still sees its call go out, within a pass.
+- A communicator whose timeout was already reported to the caller
+  (``Work.wait(timeout)`` raised :class:`~streamcoll.CollectiveTimeout`) is
+  left to the caller: its later calls raise at once, and the process may end
+  normally. A normal exit while a oneCCL call is still running would crash in
+  the library's teardown (measured: SIGSEGV); :func:`skip_native_teardown`
+  registers a C ``on_exit`` handler that calls ``_exit(status)`` before the
+  libraries' destructors run, keeping the exit status.
+
+Init is watched the same way through :func:`guard` (a blocking
+``onecclCommInitRank`` whose peers never come would otherwise wait forever).
+
+NCCL communicators created non-blocking (``STREAMCOLL_NCCL_NONBLOCKING=1``)
+are polled by NCCL's own code instead (:func:`streamcoll.core.backends.nccl_wait_ready`):
+an init whose peers never come raises :class:`~streamcoll.CollectiveTimeout`.
+
+The communicator never imports this module: importing it attaches
+:func:`register`, :func:`handle_timeout` and :func:`skip_native_teardown` to
+the slots of :mod:`streamcoll.core.hooks`, and the package's ``__init__`` imports
+it.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from ..core import helper_threads, hooks as _hooks, recorder
+from . import shm_regions
+from ..core.backends import _BACKENDS
+from ..core.checks import WAITING
+from .._ffi.errors import CollectiveTimeout
+
+__all__ = ["EXIT_CODE", "register", "handle_timeout", "skip_native_teardown", "guard", "mode", "Watchdog",
+           "WATCHDOG", "running_calls"]
+
+log = logging.getLogger("streamcoll.diagnostics.watchdog")
+
+EXIT_CODE = 86
+GRACE_S = 1.0  # async work only: a Work.wait timing out at the same moment raises first
+INTERVAL_S = 0.5  # longest pass interval: a hang is reported within timeout + 2 intervals
+SCAN = 256  # newest entries of each communicator looked at per pass
+
+
+# torch's TORCH_NCCL_ASYNC_ERROR_HANDLING, where the meaning is the same: 1
+# (tear down) and 3 (skip clean-up) end the process, 0 (no handling) and 2
+# (clean up only) report and fail the communicator and keep the process.
+_TORCH_MODES = {"0": "fail", "1": "exit", "2": "fail", "3": "exit"}
+
+
+def mode() -> str:
+    """``exit`` (default), ``fail`` or ``off`` (``STREAMCOLL_WATCHDOG``;
+    unset: ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 1/3 exit, 0/2 fail)."""
+    m = os.environ.get("STREAMCOLL_WATCHDOG", "").strip().lower()
+    if not m:
+        t = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "").strip()
+        m = _TORCH_MODES.get(t, "exit")
+    if m in ("0", "false", "no"):
+        m = "off"
+    if m not in ("exit", "fail", "off"):
+        raise ValueError(f"STREAMCOLL_WATCHDOG: expected exit, fail or off, got {m!r}")
+    return m
+
+
+def _shapes(comm: Any, e: Any) -> list:
+    shapes = comm.flight.describe(comm, e)["shapes"]
+    return [tuple(s) if s is not None else None for s in shapes] if shapes is not None else []
+
+
+def _what_to_do(comm: Any) -> str:
+    if comm._backend.name == "nccl":
+        return ("the NCCL communicator was aborted (ncclCommAbort); create a new one "
+                "(or restart the job) to continue")
+    return ("oneCCL cannot abort a communicator, so the stuck call never returns: end the process "
+            "(a normal exit works) and restart the job; look for a rank that died, hung or called a "
+            "different collective")
+
+
+def _dump_quietly(comm: Any, reason: str) -> str:
+    try:
+        return recorder.dump(comm, None, reason)
+    except Exception as e:  # a full disk must not hide the timeout itself
+        return f"(could not be written: {e})"
+
+
+def handle_timeout(comm: Any, op: str, seq: int, timeout: float, shapes: list,
+                   detail: str = "") -> CollectiveTimeout:
+    """What a timeout reported to the caller does (``Work.wait``,
+    ``synchronize``): mark ``comm`` failed, dump its flight record, abort it
+    where the library can, and make a normal process exit safe. Returns the
+    :class:`CollectiveTimeout` to raise (it names the dump)."""
+    first = comm.failure is None
+    if first:
+        # Mark first: the dump then says "failed", and other threads' calls raise at once.
+        comm.mark_failed(CollectiveTimeout(op, seq, timeout, shapes, comm._rank, comm._size))
+    path = _dump_quietly(comm, f"timeout of {op} #{seq}") if first else None
+    detail = (detail + "; " if detail else "") + _what_to_do(comm)
+    if path:
+        detail += f"; flight record: {path} (python -m streamcoll.flight analyze {os.path.dirname(path)})"
+    exc = CollectiveTimeout(op, seq, timeout, shapes, comm._rank, comm._size, detail)
+    if first:
+        comm.mark_failed(exc, replace=True)  # the detailed error replaces the placeholder set above
+        _after_failure(comm)
+    return exc
+
+
+def _after_failure(comm: Any) -> None:
+    """The library's teardown after a failure: ``Communicator.abort`` (NCCL:
+    ncclCommAbort; oneCCL, which cannot abort: a call still inside it makes
+    the exit skip the native teardown)."""
+    try:
+        comm.abort()
+    except Exception as e:  # the failure itself is what gets reported
+        log.debug("streamcoll watchdog: abort of %r after its failure raised %r", comm.name, e)
+
+
+# ------------------------------------------------------- exit without teardown
+_SKIP_LOCK = threading.Lock()
+_SKIP_REGISTERED = False
+_KEEP: List[Any] = []
+
+
+def skip_native_teardown() -> bool:
+    """Make the process's exit skip the native libraries' teardown, keeping
+    the exit status. Called once a native call can never return (oneCCL has
+    no abort): their C++ destructors would run under the stuck call and crash.
+
+    glibc's ``on_exit`` runs handlers newest first, before the destructors of
+    libraries loaded earlier, and passes the exit status: registering
+    ``_exit`` itself ends the process there, after Python's own finalisation
+    (atexit handlers, flushed ``sys.stdout``/``sys.stderr``). Elsewhere, a
+    Python ``atexit`` handler calls ``os._exit(1)``. Returns True if the C
+    handler is in place.
+    """
+    global _SKIP_REGISTERED
+    with _SKIP_LOCK:
+        if _SKIP_REGISTERED:
+            return True
+        _SKIP_REGISTERED = True
+        try:
+            import cffi
+            ffi = cffi.FFI()
+            ffi.cdef("int on_exit(void (*function)(int, void *), void *arg); void _exit(int);")
+            libc: Any = ffi.dlopen(None)  # declares on_exit/_exit (cdef above)
+            fp = ffi.cast("void (*)(int, void *)", ffi.addressof(libc, "_exit"))
+            if libc.on_exit(fp, ffi.NULL) == 0:
+                _KEEP.append((ffi, libc, fp))
+                return True
+        except Exception:
+            pass
+        import atexit
+
+        atexit.register(_exit_now, 1)
+        return False
+
+
+# ------------------------------------------------------------------ the thread
+class Watchdog:
+    """One per process; started by the first communicator."""
+
+    def __init__(self) -> None:
+        self._comms: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._guards: Dict[int, list] = {}
+        self._keys = itertools.count()
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._wake = threading.Event()
+        self.fired: List[str] = []
+
+    def add(self, comm: Any) -> None:
+        if mode() == "off" and comm.is_gpu:
+            return  # off: CPU communicators only, for the start of quietly queued calls (check)
+        with self._lock:
+            self._comms.add(comm)
+            self._start()
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = helper_threads.Thread(target=self._loop, name="streamcoll-watchdog", daemon=True)
+            self._thread.start()
+
+    def _interval(self, comms: List[Any]) -> float:
+        ts = [c.timeout for c in comms] + [g[2] for g in list(self._guards.values()) if not g[4]]
+        return min([INTERVAL_S] + [max(0.05, t / 10) for t in ts])
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                comms = [c for c in self._comms if not c.destroyed]
+            try:
+                if mode() == "off":  # CPU communicators only: start their quietly queued calls, nothing else
+                    for c in comms:
+                        if c.failure is None:
+                            c._rt.nudge()
+                else:
+                    self.check(comms)
+            except Exception as e:  # never let the watchdog die silently
+                log.error("streamcoll watchdog: internal error: %r", e)
+            self._wake.wait(self._interval(comms))
+            self._wake.clear()
+
+    def check(self, comms: List[Any]) -> None:
+        now = recorder.now_ns()
+        for g in list(self._guards.values()):
+            what, start, timeout, detail, fired = g
+            if not fired and (now - start) / 1e9 > timeout + GRACE_S:
+                g[4] = True  # reported once; the guarded call may stay stuck (fail mode): not again
+                self._fire_guard(what, timeout, detail, (now - start) / 1e9)
+        for comm in comms:
+            if comm.destroyed or comm.failure is not None:
+                continue
+            # small CPU async calls queued without waking the comm thread start
+            # within a pass even if nothing in the process touches them (streamcoll.core.work)
+            comm._rt.nudge()
+            fr = comm.flight
+            limit = comm.timeout + GRACE_S
+            hung = None
+            if comm.is_gpu and comm.device.type == "cuda":
+                _use_device(comm.device.index)
+                err = _nccl_async_error(comm)
+                if err is not None:
+                    self._fire_error(comm, err)
+                    continue
+            # A synchronous call in flight: a sync entry after the last that returned. An inline
+            # call holds the exec lock, so nothing is issued after it: it is the newest entry, and
+            # the scan goes newest first (after many async ops the oldest unfinished ones are
+            # async). Its start is not recorded (hot path); its age counts from when it was first seen.
+            last = comm.seq
+            running = _running_sync(comm, last)
+            if running is None:
+                fr.running_since = None
+            else:
+                rs = fr.running_since
+                if rs is None or rs[0] != running.seq:
+                    fr.running_since = (running.seq, now)
+                elif (now - rs[1]) / 1e9 > comm.timeout:  # no Work to wait on: no grace
+                    hung = (running, (now - rs[1]) / 1e9)
+            if hung is None:
+                hung = overdue(comm, fr, watched(comm, fr, last), now, limit)
+            if hung is not None:
+                self._fire(comm, *hung)
+            elif comm.failure is None:
+                fr.resolve(comm, last)
+
+    # -- on a hang ---------------------------------------------------------
+    def _fire(self, comm: Any, e: Any, age: float) -> None:
+        op, seq = e.op, e.seq
+        shapes = _shapes(comm, e)
+        m = mode()
+        exc = CollectiveTimeout(op, seq, comm.timeout, shapes, comm._rank, comm._size,
+                                f"detected by the watchdog after {age:.1f} s")
+        comm.mark_failed(exc)
+        path = _dump_quietly(comm, f"watchdog: {op} #{seq} running for {age:.1f} s")
+        lines = [
+            "",
+            f"streamcoll watchdog: {op} (sequence number {seq}) on communicator {comm.name!r} "
+            f"({comm._backend.name}, {comm._device}) has not completed after {age:.1f} s "
+            f"(timeout {comm.timeout:g} s) on rank {comm._rank} of {comm._size}; tensor shapes {shapes}; "
+            f"strategy {'sync (inline)' if e.sync else 'async'}.",
+            (f"  It has not entered {comm._backend.name}: {_waiting_note(e)}; look at that call first "
+             "(the one stuck there)." if getattr(e, "behind", None) else
+             "  Likely cause: another rank died, hung, or called a different collective (or the same one with "
+             "other shapes) at this point."),
+            f"  Flight record: {path}",
+            f"  Collect every rank's dump and run: python -m streamcoll.flight analyze "
+            f"{os.path.dirname(path) if os.path.isabs(path) else recorder.default_dir()}",
+            f"  What to do: {_what_to_do(comm)}.",
+        ]
+        if m == "exit":
+            lines.append(f"  Ending this process now with exit code {EXIT_CODE} "
+                         f"(STREAMCOLL_WATCHDOG=fail keeps it running; the timeout is set per communicator "
+                         f"with streamcoll.init(timeout=...) or STREAMCOLL_TIMEOUT).")
+        else:
+            lines.append("  The communicator is marked failed: its later calls raise at once "
+                         "(STREAMCOLL_WATCHDOG=fail).")
+        self._end(comm, "\n".join(lines), m)
+
+    def _announce(self, msg: str) -> None:
+        self.fired.append(msg)
+        _report(msg)
+
+    def _end(self, comm: Any, msg: str, m: str) -> None:
+        """Say what happened, abort an NCCL communicator, then end the process
+        (``exit``) or make its exit safe (``fail``)."""
+        self._announce(msg)
+        _after_failure(comm)
+        if m == "exit":
+            _exit_now()
+
+    def _fire_error(self, comm: Any, err: BaseException) -> None:
+        """An NCCL communicator reported an asynchronous error (a kernel failed
+        or a peer died): the same handling as a hang, naming the error."""
+        m = mode()
+        comm.mark_failed(err)
+        path = _dump_quietly(comm, f"watchdog: asynchronous error {err}")
+        msg = (f"\nstreamcoll watchdog: communicator {comm.name!r} ({comm.device}) on rank {comm.rank} of "
+               f"{comm.size} reported an asynchronous error: {err}\n  Flight record: {path}\n"
+               f"  What to do: {_what_to_do(comm)}.")
+        if m == "exit":
+            msg += f"\n  Ending this process now with exit code {EXIT_CODE}."
+        self._end(comm, msg, m)
+
+    def _fire_guard(self, what: str, timeout: float, detail: Any, age: float) -> None:
+        if callable(detail):  # computed now, when the facts are in (which ranks finished)
+            try:
+                detail = detail()
+            except Exception as e:
+                detail = f"(no detail: {type(e).__name__}: {e})"
+        behind = _init_waits_behind(what)
+        rule = ("two communicators created at once from two threads, the ranks ordering them "
+                "differently (each init holds the process's turn for its whole rendezvous): create "
+                "communicators like collectives, in one order on every rank (from one thread, or "
+                "ordered by a lock and the same order everywhere)")
+        queued = _waiting_behind_init(what)
+        if behind:  # not inside the library's rendezvous: the peers are not the question
+            detail = f"it has not entered the library: it waits for its turn behind {behind}"
+            cause = rule
+        elif queued:
+            cause = (f"{'; '.join(queued)} of this process wait(s) for the turn behind it: {rule}; "
+                     "or another rank did not start, died, or uses a different address/port")
+        else:
+            cause = "another rank did not start, died, or uses a different address/port"
+        msg = (f"\nstreamcoll watchdog: {what} has not completed after {age:.1f} s (timeout {timeout:g} s)"
+               + (f"; {detail}" if detail else "")
+               + f".\n  Likely cause: {cause}."
+               + (f"\n  Ending this process now with exit code {EXIT_CODE}." if mode() == "exit" else ""))
+        self._announce(msg)
+        if mode() == "exit":
+            _exit_now()
+
+    # -- guards for calls outside a communicator (init) ---------------------
+    # (_init_waits_behind: module level, below)
+    @contextlib.contextmanager
+    def guard(self, what: str, timeout: float, detail: Any = "") -> Iterator[None]:
+        """Watch a blocking native call that is not a collective (init).
+        ``detail``: text, or a callable giving it when the guard fires."""
+        if mode() == "off":
+            yield
+            return
+        key = next(self._keys)
+        with self._lock:
+            self._guards[key] = [what, recorder.now_ns(), timeout, detail, False]  # ..., fired
+            self._start()
+        self._wake.set()  # recompute the interval for this timeout
+        try:
+            yield
+        finally:
+            self._guards.pop(key, None)
+
+
+def _use_device(index: Optional[int]) -> None:
+    """The watchdog thread's CUDA calls go to the communicator's GPU (a
+    thread that never set a device makes a context on GPU 0: ~0.5 GiB each),
+    in thread-local capture mode (its event queries must not invalidate a
+    user's global-mode graph capture): :func:`streamcoll.core.helper_threads.prepare`."""
+    if index is None:
+        return
+    helper_threads.prepare(index)
+
+
+def _nccl_async_error(comm: Any) -> Optional[BaseException]:
+    """``ncclCommGetAsyncError`` of a live NCCL communicator: the error a
+    synchronous GPU collective hit after its host call returned (those are
+    otherwise invisible here: their flight entries completed at launch)."""
+    b = comm._backend
+    if b.name != "nccl" or comm.destroyed or comm.failure is not None or comm._handle is None:
+        return None
+    ffi, lib = b.ffi, b.lib()
+    state = ffi.new("ncclResult_t *")
+    # Under the communicator's exec lock, which abort() and destroy() take
+    # before freeing the handle; a launch holding it now (or
+    # a host call stuck in NCCL) only skips this pass.
+    lock = comm._rt.exec_lock
+    if not lock.acquire(blocking=False):
+        return None
+    try:
+        h = comm._handle
+        if h is None or comm.failure is not None:
+            return None
+        rc = lib.ncclCommGetAsyncError(h, state)
+    finally:
+        lock.release()
+    if rc:
+        return b.binding.error("ncclCommGetAsyncError", rc, h)
+    s = int(state[0])
+    if s == 0 or s == b.binding.const("ncclInProgress"):
+        return None
+    return b.binding.error("asynchronous error (ncclCommGetAsyncError)", s, h)
+
+
+def watched(comm: Any, fr: Any, last: int) -> List[Any]:
+    """The entries whose completion the watchdog checks: the async call
+    running on the CPU comm thread; on a GPU, the async entries among the
+    newest :data:`SCAN` and the synchronous ones that returned with a
+    completion event (:mod:`streamcoll.core.sync_events`): their kernels may still
+    run, or never finish."""
+    inflight = fr.inflight
+    cands = [inflight] if inflight is not None else []
+    if comm.is_gpu:
+        done = fr.done
+        for e in fr.recent(last, SCAN):
+            if not e.sync:
+                cands.append(e)
+            else:
+                ev = e.event
+                if ev is not None and e.seq <= done and getattr(ev, "seen", 0) != e.seq:
+                    cands.append(e)  # returned, with an event not yet seen complete
+    return cands
+
+
+def overdue(comm: Any, fr: Any, cands: List[Any], now: int, limit: float) -> Optional[Tuple[Any, float]]:
+    """(entry, age in s) of the first of ``cands`` still unfinished after
+    ``limit`` seconds, or None. Async entries found completed let go of
+    their events (not queried again)."""
+    for e in cands:
+        seq = e.seq  # before the state: the launch thread may reuse a sync entry's slot meanwhile
+        st = fr.state(comm, e)
+        if st == recorder.RUNNING:
+            if e.sync:
+                continue  # inside its host call again (the slot was reused): _running_sync's business
+            age = (now - (e.t_start or e.t_enq)) / 1e9
+        elif st == recorder.LAUNCHED and e.event is not None:
+            age = (now - e.t_enq) / 1e9
+        else:
+            if st == recorder.COMPLETED:
+                if not e.sync and e.state == recorder.LAUNCHED:
+                    e.state = recorder.COMPLETED  # no need to query it again
+                    e.event = None
+                elif e.sync and e.event is not None:
+                    e.event.seen = seq  # a reused slot has a new number: this marks only the old one
+            continue
+        if age > limit:
+            return e, age
+    return None
+
+
+def _running_sync(comm: Any, last: int) -> Any:
+    """The flight entry of the synchronous call in flight on ``comm``, or
+    None: a sync entry after the last that returned. An inline call holds
+    the exec lock, so nothing is issued after it: it is the newest entry, and
+    the scan goes newest first (after many async ops the oldest unfinished
+    ones are async)."""
+    fr = comm.flight
+    for sq in range(last, max(fr.done, last - SCAN), -1):
+        e = fr.at(sq)
+        if e is not None and e.sync and sq not in fr.errors:
+            return e
+    return None
+
+
+def turn_holder(ts: Any) -> str:
+    """The call holding ``ts``'s turn now, as a
+    report names it: a life-cycle call's text, the comm thread's item whose
+    ticket is the turn, or the synchronous call in flight that is not
+    itself waiting (only one call is inside the library at a time). Read
+    without locks, for a report."""
+    if ts.holder:
+        return ts.holder
+    waiting = {id(w) for w in list(ts.waiters.values())}
+    with WATCHDOG._lock:
+        comms = [c for c in WATCHDOG._comms if not c.destroyed and c._backend.turnstile is ts]
+    for comm in comms:
+        run = getattr(comm._rt, "running", None)
+        if run is not None and run.ticket == ts.turn and run.entry is not None:
+            return f"communicator {comm.name!r} #{run.entry.seq} {run.entry.op} (async, its comm thread)"
+    for comm in comms:
+        e = _running_sync(comm, comm.seq)
+        if e is not None and id(e) not in waiting:
+            return f"communicator {comm.name!r} #{e.seq} {e.op} (synchronous)"
+    return "an earlier call of this process"
+
+
+def _waiting_note(e: Any) -> str:
+    """For a report on call ``e``: that it waits for its turn, behind whom ("" if it does not)."""
+    behind = getattr(e, "behind", None)
+    return (f"waiting for its turn behind {behind}, not inside the library (one call at a time in "
+            f"the process, in issue order)") if behind else ""
+
+
+def running_calls() -> List[str]:
+    """One line per native call in flight in this process now (synchronous
+    calls, and async work on a CPU comm thread), for messages such as the
+    one on a Ctrl-C during a stuck call."""
+    waits = list(WAITING.values())
+    checking = {(c, sq) for c, sq, _ in waits}
+    out = []
+    now = recorder.now_ns()
+    with WATCHDOG._lock:
+        comms = [c for c in WATCHDOG._comms if not c.destroyed]
+    for comm in comms:
+        fr = comm.flight
+        e = _running_sync(comm, comm.seq)
+        if e is not None:
+            rs = fr.running_since
+            age = f", running for {(now - rs[1]) / 1e9:.1f} s" if rs is not None and rs[0] == e.seq else ""
+            w = _waiting_note(e)
+            out.append(f"{e.op} (sequence number {e.seq}, synchronous) on communicator {comm.name!r} "
+                       f"(rank {comm.rank} of {comm.size}, {comm.backend}{age})" + (f": {w}" if w else ""))
+        run = getattr(comm._rt, "running", None)
+        if run is not None and run.entry is not None and getattr(run.entry, "behind", None):
+            out.append(f"{run.entry.op} (sequence number {run.entry.seq}, async, comm thread) on communicator "
+                       f"{comm.name!r} (rank {comm.rank} of {comm.size}, {comm.backend}): "
+                       f"{_waiting_note(run.entry)}")
+        inf = fr.inflight
+        if inf is not None and (comm, inf.seq) not in checking:  # a deferred check's call is not in the library yet
+            out.append(f"{inf.op} (sequence number {inf.seq}, async, comm thread) on communicator "
+                       f"{comm.name!r} (rank {comm.rank} of {comm.size}, {comm.backend}, running for "
+                       f"{(now - (inf.t_start or inf.t_enq)) / 1e9:.1f} s)")
+    out.extend(line for c, _, line in waits if not c.destroyed)
+    for b in list(_BACKENDS.values()):
+        ts = b.turnstile
+        if ts is not None:
+            for w in list(ts.waiters.values()):
+                if isinstance(w, str):  # a life-cycle call (init, split, destroy)
+                    out.append(f"{w}: waiting for its turn behind {turn_holder(ts)}, not inside the library")
+    return out
+
+
+def _report(msg: str) -> None:
+    """A watchdog report: the ``streamcoll.diagnostics.watchdog`` logger at error level
+    (on stderr where the program configured no logging)."""
+    try:
+        log.error("%s", msg)
+    except Exception:
+        pass
+
+
+def _exit_now(code: int = EXIT_CODE) -> None:
+    """Flush Python's streams, then end the process without running teardown."""
+    shm_regions.remove_own(f"on the watchdog's exit (code {code})")
+    for s in (sys.stdout, sys.stderr):
+        try:
+            s.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+WATCHDOG = Watchdog()
+
+
+def register(comm: Any) -> None:
+    """Watch ``comm`` (called by ``Communicator.__init__``)."""
+    ts = comm._backend.turnstile
+    if ts is not None:
+        ts.describe_holder = turn_holder
+    WATCHDOG.add(comm)
+    WATCHDOG._wake.set()  # a shorter timeout shortens the polling interval at once
+
+
+def _init_waits_behind(what: str) -> str:
+    """The holder of the turn that the guarded call ``what`` waits for, or ""."""
+    for b in list(_BACKENDS.values()):
+        ts = b.turnstile
+        if ts is not None and what in list(ts.waiters.values()):
+            return turn_holder(ts)
+    return ""
+
+
+def _waiting_behind_init(what: str) -> List[str]:
+    """The life-cycle calls waiting for the turn that the guarded call ``what`` holds."""
+    out: List[str] = []
+    for b in list(_BACKENDS.values()):
+        ts = b.turnstile
+        if ts is not None and ts.holder == what:
+            out += [w for w in list(ts.waiters.values()) if isinstance(w, str)]
+    return out
+
+
+def guard(what: str, timeout: float, detail: Any = ""):
+    return WATCHDOG.guard(what, timeout, detail)
+
+
+# ------------------------------------------------------- attached to the core
+# (streamcoll.core.hooks: the communicator never imports this module)
+_hooks.on_create.append(register)
+_hooks.on_timeout = handle_timeout
+_hooks.teardown_guard = skip_native_teardown

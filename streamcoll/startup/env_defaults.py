@@ -1,0 +1,533 @@
+"""Environment defaults for the native libraries: which values, why, and how
+they reach the library without posing as the user's.
+
+**Two kinds of variable** (:data:`AGREEMENT` says which each is). Some must
+be equal on every rank: oneCCL's algorithm, worker offload, yield, ATL shm
+and transport. Ranks that run different all-reduce algorithms exchange
+mismatched messages (measured: 2 ranks, one pinned to a core, rank 0 chose
+recursive doubling and rank 1 nreduce; rank 0's sums were wrong by up to
+1e28, then rank 1 aborted with "SEND entry failed"); with ``CCL_ATL_SHM`` on
+one host of two and not the other, the other's init fails ("pmrt_kvs_get:
+decode failed"). So these are decided by one pure function of every rank's
+facts (:func:`agree`, run in :func:`~streamcoll.startup.topology.compute` on rank 0), never
+from a measurement of the calling rank, and every rank computes the same
+value. A value the user set, or one in effect since the process's first
+oneCCL init (oneCCL reads its variables once per process), travels in the
+rank's facts (:func:`bound`); where the values in effect would differ
+between ranks, every rank refuses before the native init, naming the
+variable, the ranks and their values. The others (local rank, interfaces,
+log level) belong to the rank or its host and may differ.
+
+**streamcoll's own settings** (:data:`OWN`) are agreed the same way: the
+variables that change which C call a rank makes (``STREAMCOLL_WIDEN_BF16``:
+at two ranks a bf16 sum is an all-gather, else an all-reduce) or which
+checks it runs (``STREAMCOLL_SIGNATURE_CHECKS`` and its bound,
+``STREAMCOLL_DEBUG_CHECKS`` / ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: store keys
+every rank writes and waits for). Measured before they were: one rank with
+``STREAMCOLL_WIDEN_BF16=0`` was right by chance at small sizes and stuck
+with its peer at 100,000 elements; one rank without the first-call checks
+had its peer blame it for never reaching a collective it did reach. Each
+rank reports its effective value in its facts (:func:`own`), rank 0's
+:func:`agree` compares them with the native ones (no request more), and
+every communicator runs with the agreed values (a split or a sub-group
+derived from a parent takes the parent's), never with what its process's
+environment says later. The rest of streamcoll's variables change only
+what a rank does locally (timeouts, the watchdog's policy, when a small
+async call starts, how tensors are kept alive, recording, library paths)
+and may differ; ``docs/backends-and-defaults.md``'s table says which.
+
+**Applied, not left behind** (:func:`applied`): streamcoll sets its values
+only around the native calls that read them (the unique id and the
+communicator's init: oneCCL reads its variables at its global init inside
+the process's first ``onecclGetUniqueId``/``onecclCommInitRank``, NCCL its
+own in ``ncclGetUniqueId``/``ncclCommInitRank``) and removes them after, so
+child processes do not inherit them and a later communicator does not take
+them for the user's. :data:`APPLIED` records what was set (``python -m
+streamcoll info`` prints it). Only variables the user has not set are
+touched; ``STREAMCOLL_NO_ENV_DEFAULTS=1`` turns the defaults off.
+
+The values, oneCCL, all ranks on one host (measured, 2 ranks, 2-core
+machine, raw C calls): with oneCCL's defaults a 1-element allreduce took 4.3
+ms and a 4 MB one 14-27 ms; with the values below 9 us and 0.42 ms.
+
+- ``CCL_WORKER_OFFLOAD=0``: run collectives on the calling thread instead of
+  handing them to oneCCL's worker thread (the hand-off dominates small calls).
+  That thread then spins until the peers arrive, which is right only while
+  every rank has a core of its own.
+- Oversubscribed (on some machine, the ranks' CPU sets cannot give each rank
+  a core of its own, :func:`streamcoll.startup.topology.core_each`):
+  ``CCL_WORKER_OFFLOAD=1`` and ``CCL_YIELD=sched_yield`` instead, on every
+  rank, so a waiting rank gives its core to the rank it waits for. Measured,
+  3 ranks on 2 cores (streamcoll, all_reduce): 4 B 4.8 ms -> 0.18 ms, 1 MB
+  busbw 0.17 -> 1.2 GB/s; spinning inline, gloo was 5x faster than oneCCL
+  there. With 2 ranks on 2 cores the inline spin stays far ahead (4 B 13 us
+  vs 80 us).
+- ``CCL_ATL_SHM=1`` and ``FI_PROVIDER=shm``: shared memory transport; only
+  valid when every rank is on one host, so applied only then, and only to a
+  communicator over the launcher's whole world or a process whose oneCCL
+  already runs: oneCCL's transport is made by a process's first
+  communicator, with a peer map of that communicator's size, and its shm
+  path misroutes later peers from outside it (a 2x2 mesh's first
+  sub-group communicators made the second dimension's hang). A first
+  communicator short of the world gets ``CCL_ATL_SHM=0 FI_PROVIDER=tcp``
+  (across hosts ``CCL_ATL_SHM=0``).
+- ``CCL_KVS_IFACE=lo``: the key-value store of the unique id listens on
+  loopback (single host only).
+- ``CCL_LOCAL_RANK``/``CCL_LOCAL_SIZE``: the rank's place on its host
+  (oneCCL warns and probes without them).
+- ``CCL_ALLREDUCE``, chosen per message size (oneCCL's ``algo:lo-hi;...``
+  ranges, bytes): ``recursive_doubling:0-16384;nreduce:16385-max`` when the
+  ranks are a power of two with a core each, else ``nreduce``.
+  nreduce was the fastest of oneCCL's CPU algorithms at every size on one
+  2-rank machine (4 B 6.5 us, 1 MB 130 us, 64 MB 8.5 GB/s busbw vs 10.1 us,
+  167 us, 4.7 GB/s for oneCCL's own choice) and the best or level at 1 MB and
+  up on another (64 MB: nreduce 20.0 ms, oneCCL's choice 24.8, ring 24.2;
+  medians of 5 interleaved rounds); on that second machine recursive doubling
+  beat it from 16 B to 16 KB by 3-5 us (16 B 13.7 vs 18.5 us, 16 KB 23.9 vs
+  27.1; 8 rounds) and tied at 4 B. With 3 ranks on 2 cores (yielding, see
+  above) timings swing by a third from round to round; nreduce led below
+  1 KB, ring by up to 20% above, recursive doubling trailed: nreduce stays
+  (``benchmarks/algorithms.py``; ``docs/benchmarks.md`` has the tables).
+- ``CCL_LOG_LEVEL=error``: oneCCL's startup warnings are about the variables
+  above.
+
+Several hosts (which ranks share a host and which interface reaches the
+rendezvous address come from :mod:`streamcoll.startup.topology`):
+
+- per rank, ``CCL_KVS_IFACE``, ``CCL_MNIC_NAME`` and
+  ``NCCL_SOCKET_IFNAME=<iface>``: the interface the kernel routes the
+  rendezvous address through (:func:`interface_defaults`). oneCCL's own
+  choice is the alphabetically first interface, loopback included, which
+  hangs when the right one sorts after ``lo``. No ``CCL_MNIC_NAME`` where the
+  user set ``CCL_MNIC`` (oneCCL's multi-NIC selection, which one name would
+  narrow to one interface).
+- ``CCL_WORKER_OFFLOAD`` as on one host; the ranks counted are those of
+  each *machine* (same boot id: simulated hosts or containers share its
+  cores); ``CCL_ALLREDUCE`` as on one host (``nreduce`` where some machine is
+  oversubscribed).
+- Oversubscribed across hosts, ``CCL_YIELD=sleep`` instead of
+  ``sched_yield``: the bytes between hosts go through the kernel's TCP stack,
+  whose copies need the very cores the waiting ranks hold; oneCCL's ``sleep``
+  is ``nanosleep(0)``, which takes the waiting thread off the run queue for
+  the timer slack (about 50 us), where a ``sched_yield``-ing thread stays
+  runnable and gets its core straight back. Measured (
+  ``benchmarks/multihost.py``, 4 x 1 and 2 x 2 simulated hosts = 4 ranks on
+  2 cores, load 5.5-12.5): 4 B 0.74-1.5 ms against 5.4-10.1 ms with
+  ``sched_yield`` and 16 MB GB/s higher, in every pair of runs (16 MB busbw
+  0.65-0.97x gloo against 0.29-0.75x). ``nreduce`` (one exchange per phase
+  instead of ring's n - 1 rounds of waiting) on top: 16 MB 0.68-1.41x gloo,
+  its GB/s above oneCCL's own choice in 7 pairs of 7, 4 B within the noise. Worker count 2, spin
+  count 10, ``CCL_WORKER_WAIT=1``, inline spinning, ring chunking and
+  ``FI_PROVIDER=tcp`` or ``tcp;ofi_rxm`` beat none of these in every run.
+- ``CCL_ATL_SHM=1`` on every rank (shared memory between the ranks of one
+  host, the network between hosts) when some host has several ranks and no
+  two hosts share a hostname: oneCCL groups its shm peers by hostname, and
+  with a hostname shared by two hosts init hangs (measured, 2 x 2). Never
+  ``FI_PROVIDER=shm`` (shm only) there.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Mapping, NamedTuple, Optional, Protocol, Sequence, Tuple
+
+__all__ = ["APPLIED", "RELEVANT", "AGREEMENT", "MUST_AGREE", "OWN", "Own", "OwnValues", "own", "check_own",
+           "Agreement",
+           "Agreed", "Bound", "agree",
+           "agreed_defaults", "bound", "enabled", "plan", "applied", "interface_defaults", "in_effect"]
+
+LOG = logging.getLogger("streamcoll")
+
+APPLIED: Dict[str, str] = {}
+"""What streamcoll set around native calls in this process (the latest value
+of each variable); none of it stays in ``os.environ``."""
+
+# Every variable streamcoll reads or sets: the table in streamcoll/core/env_vars.py.
+from ..core.env_vars import names as _names  # noqa: E402
+
+RELEVANT = tuple(_names())
+
+
+class Agreement(NamedTuple):
+    """Whether a native library's variable must be equal on every rank."""
+
+    library: str   # "oneccl" or "nccl": whose variable it is
+    must: bool     # True: one value on every rank, checked before the native init
+    why: str
+
+
+AGREEMENT: Dict[str, Agreement] = {
+    "CCL_ALLREDUCE": Agreement("oneccl", True, "the algorithm: ranks running different ones exchange mismatched "
+                               "messages (measured: wrong sums, then 'SEND entry failed')"),
+    "CCL_WORKER_OFFLOAD": Agreement("oneccl", True, "who progresses a collective (caller or worker thread)"),
+    "CCL_YIELD": Agreement("oneccl", True, "how a waiting rank waits; decided with the worker offload"),
+    "CCL_ATL_SHM": Agreement("oneccl", True, "shared memory inside hosts: a rank without it cannot decode the "
+                             "others' addresses (measured, 2 + 1 ranks on 2 hosts)"),
+    "FI_PROVIDER": Agreement("oneccl", True, "libfabric's provider: peers must speak the same one"),
+    "CCL_ATL_TRANSPORT": Agreement("oneccl", True, "oneCCL's transport (ofi or mpi): peers must use the same one"),
+    "CCL_LOG_LEVEL": Agreement("oneccl", False, "what this process prints"),
+    "CCL_LOCAL_RANK": Agreement("oneccl", False, "this rank's place on its host"),
+    "CCL_LOCAL_SIZE": Agreement("oneccl", False, "the ranks of this host (hosts may differ)"),
+    "CCL_KVS_IFACE": Agreement("oneccl", False, "this host's interface (names differ between hosts)"),
+    "CCL_MNIC_NAME": Agreement("oneccl", False, "this host's interface"),
+    "CCL_MNIC": Agreement("oneccl", False, "this host's NIC selection"),
+    "CCL_MNIC_COUNT": Agreement("oneccl", False, "this host's number of NICs"),
+    "CCL_BF16": Agreement("oneccl", False, "this CPU's bf16 implementation (instruction sets differ)"),
+    "CCL_ROOT": Agreement("oneccl", False, "where this host's oneCCL is installed"),
+    "NCCL_SOCKET_IFNAME": Agreement("nccl", False, "this host's interface"),
+    "NCCL_DEBUG": Agreement("nccl", False, "what this process prints"),
+    "NCCL_HOME": Agreement("nccl", False, "where this host's NCCL is installed"),
+}
+MUST_AGREE: Tuple[str, ...] = tuple(k for k, a in AGREEMENT.items() if a.must)
+
+
+class Own(NamedTuple):
+    """One of streamcoll's own settings that must be equal on every rank."""
+
+    library: str                # "oneccl", "nccl" or "any": whose communicators it changes
+    variables: Tuple[str, ...]  # what sets it (the first is its name in facts and messages)
+    why: str
+
+
+OWN: Dict[str, Own] = {
+    "STREAMCOLL_WIDEN_BF16": Own("oneccl", ("STREAMCOLL_WIDEN_BF16",),
+                                 "which C calls a bf16 reduction makes (oneCCL's CPU path: through float32, at "
+                                 "two ranks an all-gather): measured, one rank without it and both stuck at "
+                                 "100,000 elements"),
+    "STREAMCOLL_SIGNATURE_CHECKS": Own("any", ("STREAMCOLL_SIGNATURE_CHECKS",),
+                                       "the first-call checks: store keys every rank writes and waits for, for "
+                                       "the first N signatures; a rank with none, or another bound, leaves its "
+                                       "peers waiting for keys it never writes"),
+    "STREAMCOLL_DEBUG_CHECKS": Own("any", ("STREAMCOLL_DEBUG_CHECKS", "TORCH_DISTRIBUTED_DEBUG"),
+                                   "the per-call checks (TORCH_DISTRIBUTED_DEBUG=DETAIL turns them on too): the "
+                                   "same store protocol on every call"),
+}
+"""streamcoll's own variables that must agree (see the module docstring);
+agreed with the native ones by :func:`agree`, from :func:`own`."""
+
+_OFF = ("0", "false", "no", "off")
+
+OwnValues = Tuple[Tuple[str, str, str], ...]
+"""(setting, value, source) for each of :data:`OWN`, as a rank reads them (:func:`own`)."""
+
+USER = "set by the user"
+IN_EFFECT = "in effect since this process's first oneCCL init"
+DEFAULT = "streamcoll's default"
+UNSET = "unset"
+POW2_ALLREDUCE = "recursive_doubling:0-16384;nreduce:16385-max"
+
+Bound = Tuple[Tuple[str, Optional[str], str], ...]
+"""(variable, value, source) for each must-agree variable a rank does not
+leave to streamcoll: ``source`` is :data:`USER` or :data:`IN_EFFECT`
+(``value`` None: in effect unset)."""
+
+
+# What this module reads of a topology and of a rank's facts, as protocols:
+# streamcoll.startup.topology's Topology and RankFacts have these members (topology
+# imports this module, so this one names no class of it: no import circle).
+class _Route(Protocol):
+    @property
+    def iface(self) -> Optional[str]: ...
+
+
+class RankFactsLike(Protocol):
+    """What :func:`agree` and :func:`plan` read of a rank's
+    :class:`streamcoll.startup.topology.RankFacts`."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def bound(self) -> Bound: ...
+    @property
+    def own(self) -> "OwnValues": ...
+    @property
+    def defaults(self) -> bool: ...
+    @property
+    def route(self) -> Optional[_Route]: ...
+
+
+class TopologyLike(Protocol):
+    """What this module reads of a :class:`streamcoll.startup.topology.Topology`."""
+
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def world_oversubscribed(self) -> bool: ...
+    @property
+    def single_host(self) -> bool: ...
+    @property
+    def spans_job(self) -> bool: ...
+    @property
+    def hosts(self) -> List[List[int]]: ...
+    @property
+    def hostnames_tell_hosts_apart(self) -> bool: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def local_size(self) -> int: ...
+    @property
+    def me(self) -> RankFactsLike: ...
+    @property
+    def agreed(self) -> "Agreed": ...
+
+_LOCK = threading.Lock()
+_ACTIVE: Dict[str, str] = {}                # set by applied() now, not the user's
+_IN_EFFECT: Dict[str, Optional[str]] = {}   # oneCCL's must-agree values at its first init in this process
+
+
+def enabled(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether streamcoll applies defaults (``STREAMCOLL_NO_ENV_DEFAULTS``)."""
+    e = os.environ if environ is None else environ
+    return e.get("STREAMCOLL_NO_ENV_DEFAULTS", "0") in ("", "0")
+
+
+_enabled = enabled  # the name streamcoll.__main__ has used
+
+
+def _user_env() -> Dict[str, str]:
+    """os.environ without what :func:`applied` has set at this moment."""
+    with _LOCK:
+        return {k: v for k, v in os.environ.items() if _ACTIVE.get(k) != v}
+
+
+def in_effect() -> Dict[str, Optional[str]]:
+    """oneCCL's must-agree values at its first init in this process (empty
+    before it): oneCCL does not read them again."""
+    return dict(_IN_EFFECT)
+
+
+def bound() -> Bound:
+    """This rank's must-agree values that streamcoll does not choose (they
+    go into its :class:`~streamcoll.startup.topology.RankFacts`): those oneCCL runs
+    with since its first init here, else the user's."""
+    user = _user_env()
+    out = []
+    for name in MUST_AGREE:
+        if name in _IN_EFFECT:
+            out.append((name, _IN_EFFECT[name], IN_EFFECT))
+        elif name in user:
+            out.append((name, user[name], USER))
+    return tuple(out)
+
+
+def own(environ: Optional[Mapping[str, str]] = None) -> OwnValues:
+    """This rank's value of each of :data:`OWN`, as (name, value, source):
+    the effective value as text (``"1"``/``"0"``, the bound as a number),
+    so spellings of one value agree; ``source`` :data:`USER`, :data:`DEFAULT`
+    or what else set it. A malformed value travels as it is, its source
+    saying what was expected: every rank then refuses together
+    (:func:`check_own`), where raising here would stop this rank alone
+    and leave the others waiting for it."""
+    e = os.environ if environ is None else environ
+    raw = e.get("STREAMCOLL_WIDEN_BF16", "").strip()
+    out: List[Tuple[str, str, str]] = [("STREAMCOLL_WIDEN_BF16", "0" if raw.lower() in _OFF else "1",
+                                        USER if raw else DEFAULT)]
+    raw = e.get("STREAMCOLL_SIGNATURE_CHECKS", "").strip()
+    from ..core.checks import SIGNATURE_BOUND
+    try:
+        n = int(raw) if raw else SIGNATURE_BOUND
+        out.append(("STREAMCOLL_SIGNATURE_CHECKS", str(n), USER if raw else DEFAULT) if n >= 0 else
+                   ("STREAMCOLL_SIGNATURE_CHECKS", raw, "not valid: expected an integer >= 0"))
+    except ValueError:
+        out.append(("STREAMCOLL_SIGNATURE_CHECKS", raw, "not valid: expected an integer >= 0"))
+    if e.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL":
+        out.append(("STREAMCOLL_DEBUG_CHECKS", "1", "TORCH_DISTRIBUTED_DEBUG=DETAIL"))
+    else:
+        raw = e.get("STREAMCOLL_DEBUG_CHECKS", "").strip()
+        out.append(("STREAMCOLL_DEBUG_CHECKS", "0" if raw.lower() in ("",) + _OFF else "1", USER if raw else DEFAULT))
+    return tuple(out)
+
+
+def check_own(values: Mapping[str, str]) -> Dict[str, str]:
+    """``values`` (agreed, :attr:`Agreed.own`) over this process's own
+    reading for any missing (a peer of a version without them); a
+    malformed one is the ValueError its variable's reader raises. Every
+    rank has the same ``values``, so every rank raises together."""
+    out = {k: v for k, v, _ in own()}
+    out.update(values)
+    bound = out["STREAMCOLL_SIGNATURE_CHECKS"]
+    try:
+        n = int(bound)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"STREAMCOLL_SIGNATURE_CHECKS: expected an integer >= 0, got {bound}")
+    return out
+
+
+def interface_defaults(iface: Optional[str]) -> Dict[str, str]:
+    """The interface that reaches the rendezvous address, for oneCCL's
+    key-value store (``CCL_KVS_IFACE``) and NIC (``CCL_MNIC_NAME``: without it
+    oneCCL 2022.2 takes the alphabetically first interface, loopback included,
+    and hangs when the right one sorts after ``lo``) and NCCL's sockets
+    (``NCCL_SOCKET_IFNAME``; a leading ``=`` makes it an exact name, not a
+    prefix). Nothing when the interface is unknown."""
+    if not iface:
+        return {}
+    return {"CCL_KVS_IFACE": iface, "CCL_MNIC_NAME": iface, "NCCL_SOCKET_IFNAME": "=" + iface}
+
+
+def agreed_defaults(topo: "TopologyLike") -> Dict[str, str]:
+    """streamcoll's value of each must-agree variable for ``topo`` (absent:
+    left unset, oneCCL's own); the why is in the module docstring. Computed
+    from every rank's facts only, so it is the same on every rank."""
+    over = topo.world_oversubscribed
+    n = topo.world_size
+    pow2 = n & (n - 1) == 0
+    d: Dict[str, str] = {}
+    if over:
+        d["CCL_WORKER_OFFLOAD"] = "1"
+        # Across hosts the kernel's TCP stack needs the cores the waiting ranks hold: sleep, not sched_yield.
+        d["CCL_YIELD"] = "sched_yield" if topo.single_host else "sleep"
+    else:
+        d["CCL_WORKER_OFFLOAD"] = "0"
+    d["CCL_ALLREDUCE"] = POW2_ALLREDUCE if pow2 and not over else "nreduce"
+    if not topo.spans_job:
+        # A process's first oneCCL communicator fixes its transport's peer map for good, sized for
+        # that communicator's members; the shm path misroutes any later peer: a first
+        # communicator that is not the launcher's whole world runs oneCCL over TCP.
+        d["CCL_ATL_SHM"] = "0"
+        if topo.single_host:
+            d["FI_PROVIDER"] = "tcp"
+    elif topo.single_host:
+        d["CCL_ATL_SHM"] = "1"
+        d["FI_PROVIDER"] = "shm"
+    elif any(len(h) > 1 for h in topo.hosts) and topo.hostnames_tell_hosts_apart:
+        d["CCL_ATL_SHM"] = "1"
+    return d
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """The must-agree variables of a topology: the one value every rank runs
+    with (None: unset), and a text per variable whose values would differ."""
+
+    values: Dict[str, Optional[str]]
+    conflicts: Dict[str, str]
+    own: Dict[str, str] = field(default_factory=dict)  # streamcoll's own (OWN): the value every rank runs with
+
+    def conflicts_for(self, backend: str) -> List[str]:
+        """The conflicts that matter to ``backend``'s communicators."""
+        def library(k: str) -> str:
+            return AGREEMENT[k].library if k in AGREEMENT else OWN[k].library
+        return [t for k, t in self.conflicts.items() if library(k) in (backend, "any")]
+
+    def to_json(self) -> Dict[str, object]:
+        """For a topology published through the store (plain JSON types)."""
+        return {"values": self.values, "conflicts": self.conflicts, "own": self.own}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, object]) -> "Agreed":
+        """The inverse of :meth:`to_json`."""
+        return cls(dict(d["values"]), dict(d["conflicts"]), dict(d.get("own") or {}))  # type: ignore[call-overload]
+
+
+def _ranks(rs: Sequence[int]) -> str:
+    head = "rank " if len(rs) == 1 else "ranks "
+    shown = ", ".join(map(str, rs[:8])) + (f", ... ({len(rs)} in all)" if len(rs) > 8 else "")
+    return head + shown
+
+
+def agree(topo: "TopologyLike", facts: Sequence["RankFactsLike"]) -> Agreed:
+    """Every must-agree variable's value for ``topo``, from all ranks'
+    ``facts`` (run once, on rank 0, by :func:`streamcoll.startup.topology.compute`).
+
+    A rank's value is its bound one (the user's, or in effect since its
+    first oneCCL init); a rank without one takes the value in effect on
+    the ranks whose oneCCL already runs (when they agree: they cannot
+    change theirs), else streamcoll's default; none where the rank turned
+    the defaults off. Values that differ between ranks are a conflict."""
+    defaults = agreed_defaults(topo)
+    values: Dict[str, Optional[str]] = {}
+    conflicts: Dict[str, str] = {}
+    for name in MUST_AGREE:
+        held = {f.rank: (v, src) for f in facts for (k, v, src) in f.bound if k == name}
+        running = {v for v, src in held.values() if src == IN_EFFECT}
+        free: Tuple[Optional[str], str] = ((running.pop(), IN_EFFECT) if len(running) == 1
+                                           else (defaults.get(name), DEFAULT))
+        per_rank = {f.rank: held.get(f.rank) or (free if f.defaults else (None, UNSET)) for f in facts}
+        distinct = {v for v, _ in per_rank.values()}
+        if len(distinct) == 1:
+            values[name] = distinct.pop()
+            continue
+        groups: Dict[Tuple[Optional[str], str], List[int]] = {}
+        for r, vs in sorted(per_rank.items()):
+            groups.setdefault(vs, []).append(r)
+        parts = [f"{_ranks(rs)}: {repr(v) if v is not None else 'unset'} ({src})"
+                 for (v, src), rs in sorted(groups.items(), key=lambda kv: kv[1][0])]
+        conflicts[name] = f"{name}: " + "; ".join(parts)
+        values[name] = None
+    mine: Dict[str, str] = {}
+    for name in OWN:  # streamcoll's own: every rank's effective value, no defaults to fill in
+        said = {f.rank: (v, src) for f in facts for (k, v, src) in f.own if k == name}
+        kinds = {v for v, _ in said.values()}
+        if len(kinds) == 1:
+            mine[name] = kinds.pop()
+        elif kinds:
+            by: Dict[Tuple[str, str], List[int]] = {}
+            for r, vs in sorted(said.items()):
+                by.setdefault(vs, []).append(r)
+            conflicts[name] = f"{name}: " + "; ".join(f"{_ranks(rs)}: {v!r} ({src})" for (v, src), rs
+                                                      in sorted(by.items(), key=lambda kv: kv[1][0]))
+    return Agreed(values, conflicts, mine)
+
+
+def plan(topo: "TopologyLike", backend: str, environ: Optional[Mapping[str, str]] = None,
+         running: Optional[Mapping[str, Optional[str]]] = None) -> Dict[str, str]:
+    """What streamcoll sets around this rank's native calls for ``topo``
+    (``environ``: the user's environment, default os.environ less what
+    :func:`applied` holds; ``running``: :func:`in_effect`, whose variables
+    oneCCL does not read again): the agreed values and this rank's own
+    ones, for variables the user has not set. Empty with the defaults off."""
+    user = _user_env() if environ is None else dict(environ)
+    fixed = _IN_EFFECT if running is None else running
+    if not enabled(user):
+        return {}
+    d: Dict[str, str] = {}
+    if backend == "oneccl":
+        d.update({k: v for k, v in topo.agreed.values.items() if v is not None and k not in fixed})
+        d.update(CCL_LOCAL_RANK=str(topo.local_rank), CCL_LOCAL_SIZE=str(topo.local_size), CCL_LOG_LEVEL="error")
+        if topo.single_host:
+            d["CCL_KVS_IFACE"] = "lo"
+        else:
+            iface = topo.me.route.iface if topo.me.route else None
+            d.update({k: v for k, v in interface_defaults(iface).items() if k.startswith("CCL_")})
+            if "CCL_MNIC" in user:  # the user's multi-NIC selection: one name would narrow it
+                d.pop("CCL_MNIC_NAME", None)
+    else:
+        if topo.single_host:
+            d["NCCL_SOCKET_IFNAME"] = "lo"
+        else:
+            iface = topo.me.route.iface if topo.me.route else None
+            d.update({k: v for k, v in interface_defaults(iface).items() if k.startswith("NCCL_")})
+    return {k: v for k, v in d.items() if k not in user}
+
+
+@contextlib.contextmanager
+def applied(values: Mapping[str, str], backend: str) -> Iterator[None]:
+    """Set ``values`` (those not set already) in os.environ around a native
+    call that reads them, and remove them after (see the module docstring).
+    The first time for oneCCL, records the must-agree values it then reads
+    (:func:`in_effect`)."""
+    mine: Dict[str, str] = {}
+    with _LOCK:
+        for k, v in values.items():
+            if k not in os.environ:
+                os.environ[k] = v
+                mine[k] = v
+        _ACTIVE.update(mine)
+        APPLIED.update(mine)
+        if backend == "oneccl" and not _IN_EFFECT:
+            _IN_EFFECT.update({k: os.environ.get(k) for k in MUST_AGREE if AGREEMENT[k].library == "oneccl"})
+    try:
+        yield
+    finally:
+        with _LOCK:
+            for k, v in mine.items():
+                if os.environ.get(k) == v:
+                    del os.environ[k]
+                if _ACTIVE.get(k) == v:
+                    del _ACTIVE[k]
