@@ -22,6 +22,7 @@ from torch.compiler import is_compiling as _compiling
 
 from .startup import bootstrap
 from .integrations import custom_ops as _traced
+from .core import source_text as _text
 from .core import spec as _spec
 from .core.communicator import Communicator
 from .core.ops import ReduceOp
@@ -40,8 +41,8 @@ def _g(group: Optional[Communicator]) -> Communicator:
 
 
 def _source(s: _spec.CollectiveSpec) -> str:
-    sig = _spec.signature_text(s, group=s.returns != "work_list")
-    call = _spec.call_text(s)
+    sig = _text.signature_text(s, group=s.returns != "work_list")
+    call = _text.call_text(s)
     lines = [f"def {s.name}({sig}):"]
     if s.compiled:
         traced = ", ".join([*s.param_names, "group", "async_op",

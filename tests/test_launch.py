@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import streamcoll
-from streamcoll.core import spec
+from streamcoll.core import source_text, spec
 from streamcoll.core.backends import get_backend
 
 from conftest import needs_oneccl
@@ -62,15 +62,15 @@ def test_every_collective_is_declared_once_and_everything_derives_from_it():
 def test_c_argument_order_is_read_from_the_headers(lib):
     from streamcoll._ffi._common import read_declarations
     text = read_declarations(get_backend(lib).binding.declarations)
-    assert spec.c_roles(text, f"{lib}AllReduce") == ("send", "recv", "count", "dtype", "op", "comm", "stream")
-    assert spec.c_roles(text, f"{lib}Reduce") == ("send", "recv", "count", "dtype", "op", "root", "comm", "stream")
-    assert spec.c_roles(text, f"{lib}Send") == ("send", "count", "dtype", "peer", "comm", "stream")
+    assert source_text.c_roles(text, f"{lib}AllReduce") == ("send", "recv", "count", "dtype", "op", "comm", "stream")
+    assert source_text.c_roles(text, f"{lib}Reduce") == ("send", "recv", "count", "dtype", "op", "root", "comm", "stream")
+    assert source_text.c_roles(text, f"{lib}Send") == ("send", "count", "dtype", "peer", "comm", "stream")
     for s in spec.TABLE.values():
         if lib in s.c:
-            roles = spec.c_roles(text, s.c[lib])
+            roles = source_text.c_roles(text, s.c[lib])
             assert roles[-2:] == ("comm", "stream"), s.name
     with pytest.raises(KeyError):
-        spec.c_roles(text, f"{lib}NoSuchCollective")
+        source_text.c_roles(text, f"{lib}NoSuchCollective")
 
 
 # ------------------------------------------------------------ world size 1

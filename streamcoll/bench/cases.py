@@ -20,7 +20,7 @@ one group, not a collective of the table). From the declaration:
   last buffer or rank, in the declared (torch.distributed's) order; the
   torch.distributed call is the same arguments to :func:`torch_function`;
 - the raw call is the entry's C function with its arguments in the order
-  the header declares them (:func:`streamcoll.core.spec.c_roles`), bound once;
+  the header declares them (:func:`streamcoll.core.source_text.c_roles`), bound once;
 - the expected values are the entry's ``reference``, applied once per
   timed call to every rank's inputs.
 
@@ -43,6 +43,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from ..core import source_text as _text
 from ..core import spec as _spec
 from .._ffi._common import read_declarations
 
@@ -130,7 +131,7 @@ class Context:
         values by role (``send``, ``recv``, ``count``, ...; ``comm`` and
         ``stream`` are the context's)."""
         v = dict(vals, comm=self.handle, stream=self.stream, dtype=self.cdt)
-        return tuple(v[r] for r in _spec.c_roles(self.declarations, self.backend.funcs[coll]))
+        return tuple(v[r] for r in _text.c_roles(self.declarations, self.backend.funcs[coll]))
 
     def bound(self, coll: str, vals: Dict[str, Any]) -> Optional[Callable[[], int]]:
         """The C function of ``coll`` bound to its arguments (a C-level

@@ -16,6 +16,7 @@ from typing import Any, Dict
 import torch
 
 from . import profiling as _profiling
+from . import source_text as _text
 from . import spec as _spec
 from .ops import ReduceOp
 
@@ -26,7 +27,7 @@ _SUM = ReduceOp.SUM
 
 def method_source(s: _spec.CollectiveSpec) -> str:
     """The source of the general method of ``s`` (what :func:`install` compiles)."""
-    sig = _spec.signature_text(s, self_=True)
+    sig = _text.signature_text(s, self_=True)
     args = ", ".join(s.param_names)
     tup = f"({args},)" if s.params else "()"
     a = {"param": "async_op", "never": "False", "always": "True"}[s.async_mode]

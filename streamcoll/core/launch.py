@@ -48,7 +48,8 @@ from .ops import ReduceOp
 from .plans import FLOATS
 from .recorder import ENQUEUED, FlightEntry
 from .work import Work
-from .spec import CollectiveSpec, Plan, c_roles, signature_text
+from .source_text import c_roles, signature_text
+from .spec import CollectiveSpec, Plan
 
 __all__ = ["SYNC_TEMPLATE", "build_sync_launcher", "build_fast_path", "generated_source"]
 

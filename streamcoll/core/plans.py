@@ -18,7 +18,8 @@ import torch
 from .._ffi._common import read_declarations
 from .._ffi.errors import NotSupportedError
 from .ops import ReduceOp, canonical_op, op_key
-from .spec import TABLE, CollectiveSpec, Plan, c_roles
+from .source_text import c_roles
+from .spec import TABLE, CollectiveSpec, Plan
 from .validation import as_tensor, check_list, check_rank, check_same
 
 __all__ = ["PlanContext"]

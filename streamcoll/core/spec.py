@@ -5,7 +5,7 @@ Each collective is declared once, here, as a :class:`CollectiveSpec` made by
 (:class:`ParamSpec`: buffers with their role, ranks, the reduction, split
 sizes), which C function each library has for it (``c``), how the C call's
 arguments follow from the parameters (the argument *order* is read from the
-declarations in ``streamcoll/_native/*.h`` by parameter name, see :func:`c_roles`), the
+declarations in ``streamcoll/_native/*.h`` by parameter name, see :func:`streamcoll.core.source_text.c_roles`), the
 planner used where a library lacks the function (grouped Send/Recv, a flat
 buffer and an unpack, oneCCL's reduce scratch buffer, AlltoAllV), the post-op
 (AVG/PREMUL emulation), what the debug fingerprint compares, the shape of a
@@ -19,7 +19,7 @@ What derives from it (nothing below repeats the per-collective knowledge):
 - the torch.compile custom ops, their fakes and side-effect marks
   (:mod:`streamcoll.integrations.custom_ops`),
 - the debug fingerprint (:mod:`streamcoll.core.checks`), the point-to-point set of
-  the flight recorder (:mod:`streamcoll.flight`), the C functions whose
+  the flight recorder (:mod:`streamcoll.core.recorder`), the C functions whose
   ``ncclInProgress`` is polled (:mod:`streamcoll.diagnostics.watchdog`), the C function
   names of :mod:`streamcoll.core.backends`,
 - the benchmark cases (:mod:`streamcoll.bench.cases`: buffers, the streamcoll,
@@ -38,16 +38,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .ops import ReduceOp
+from .references import (ref_all_gather, ref_all_gather_into_tensor, ref_all_reduce, ref_all_to_all,
+                         ref_all_to_all_single, ref_barrier, ref_broadcast, ref_gather, ref_reduce,
+                         ref_reduce_scatter, ref_reduce_scatter_tensor, ref_scatter)
 
 __all__ = [
     "REQUIRED", "ParamSpec", "CollectiveSpec", "Plan", "collective", "TABLE", "ALIASES", "get",
-    "c_roles", "p2p_ops", "c_functions", "signature_text", "call_text",
+    "p2p_ops", "c_functions",
 ]
 
 
@@ -213,81 +215,6 @@ def c_functions(library: str) -> Dict[str, str]:
     return {n: s.c[library] for n, s in TABLE.items() if library in s.c}
 
 
-# ---------------------------------------------------------------- signatures
-def _default_text(d: Any) -> str:
-    if d is REQUIRED:
-        raise ValueError
-    if isinstance(d, ReduceOp):
-        return "_SUM" if d is ReduceOp.SUM else f"_ReduceOp.{d.name}"
-    return repr(d)
-
-
-def signature_text(spec: CollectiveSpec, group: bool = False, self_: bool = False) -> str:
-    """The Python parameter list of the collective, torch.distributed's order:
-    its parameters, then ``group`` (module functions), ``async_op`` where it is
-    a parameter, and a keyword-only ``stream``."""
-    parts: List[str] = ["self"] if self_ else []
-    for p in spec.params:
-        parts.append(p.name if p.default is REQUIRED else f"{p.name}={_default_text(p.default)}")
-    if group:
-        # torch puts group before tag for p2p and before async_op elsewhere.
-        idx = next((i for i, p in enumerate(parts) if p.startswith("tag=")), len(parts))
-        parts.insert(idx, "group=None")
-    if spec.async_mode == "param":
-        parts.append("async_op=False")
-    if spec.name == "barrier":
-        parts.append("device_ids=None")
-    elif spec.returns != "work_list":
-        parts += ["*", "stream=None"]
-    return ", ".join(parts)
-
-
-def call_text(spec: CollectiveSpec) -> str:
-    """The arguments to pass a Communicator method, by name where keyword."""
-    parts = list(spec.param_names)
-    if spec.async_mode == "param":
-        parts.append("async_op")
-    if spec.name == "barrier":
-        parts.append("device_ids")
-    elif spec.returns != "work_list":
-        parts.append("stream=stream")
-    return ", ".join(parts)
-
-
-# ------------------------------------------------- C argument order (headers)
-_ROLE_OF_CPARAM = {
-    "sendbuff": "send", "recvbuff": "recv", "buff": "send",
-    "count": "count", "sendcount": "count", "recvcount": "count",
-    "datatype": "dtype", "op": "op", "redop": "op", "reduction_op": "op",
-    "root": "root", "peer": "peer", "comm": "comm", "stream": "stream",
-    "send_counts": "send_counts", "recv_counts": "recv_counts",
-}
-_ROLES_CACHE: Dict[Tuple[str, str], Tuple[str, ...]] = {}
-
-
-def c_roles(declarations: str, cname: str) -> Tuple[str, ...]:
-    """The roles of ``cname``'s parameters, in the order the C declaration
-    (``declarations``: the text of ``streamcoll/_native/<lib>.h``) has them, e.g.
-    ``("send", "recv", "count", "dtype", "op", "comm", "stream")``. Read from
-    the header's parameter names, so the order is never retyped here."""
-    key = (declarations[:64] + str(len(declarations)), cname)
-    r = _ROLES_CACHE.get(key)
-    if r is not None:
-        return r
-    m = re.search(r"\b" + re.escape(cname) + r"\s*\(([^)]*)\)\s*;", declarations)
-    if m is None:
-        raise KeyError(f"{cname} is not declared")
-    roles = []
-    for arg in m.group(1).split(","):
-        pname = re.sub(r"[^A-Za-z0-9_]", " ", arg).split()[-1]
-        role = _ROLE_OF_CPARAM.get(pname)
-        if role is None:
-            raise ValueError(f"{cname}: parameter {pname!r} has no role in streamcoll.core.spec")
-        roles.append(role)
-    r = _ROLES_CACHE[key] = tuple(roles)
-    return r
-
-
 # ------------------------------------------------------------------ planners
 def _splits(cx: Any, splits: Any, t: Any, name: str, row: int) -> List[int]:
     size = cx.size
@@ -341,91 +268,6 @@ def _rooted(cx: Any, opname: str, tensor: Any, lst: Any, lname: str, root: Any, 
     if lst:
         raise ValueError(f"{lname}: expected None or [] on non-{role} rank {cx.rank} ({rname} is {r})")
     return t, r, d, []
-
-
-# ------------------------------------------------------- reference semantics
-# Reference implementations: ``ref(size, rank, inputs, **args)`` where
-# ``inputs[r]`` is what rank r passed (numpy arrays; lists for list buffers)
-# returns what rank ``rank`` must hold afterwards, as {param: array or list}.
-def _reduce(arrs: Sequence[np.ndarray], op: str, factor: float = 1.0) -> np.ndarray:
-    a = np.stack([np.asarray(x) for x in arrs])
-    if op == "SUM":
-        return a.sum(0).astype(a.dtype)
-    if op == "PRODUCT":
-        return a.prod(0).astype(a.dtype)
-    if op == "MIN":
-        return a.min(0)
-    if op == "MAX":
-        return a.max(0)
-    if op == "AVG":
-        s = a.sum(0)
-        if np.issubdtype(a.dtype, np.integer):
-            return (s // len(arrs)).astype(a.dtype)  # non-negative test values: trunc == floor
-        return (s / len(arrs)).astype(a.dtype)
-    if op == "PREMUL_SUM":
-        return (a * factor).sum(0).astype(a.dtype)
-    raise ValueError(op)
-
-
-def ref_all_reduce(size: int, rank: int, ins: List[dict], op: str = "SUM", factor: float = 1.0) -> dict:
-    return {"tensor": _reduce([i["tensor"] for i in ins], op, factor)}
-
-
-def ref_broadcast(size: int, rank: int, ins: List[dict], src: int = 0) -> dict:
-    return {"tensor": ins[src]["tensor"]}
-
-
-def ref_reduce(size: int, rank: int, ins: List[dict], dst: int = 0, op: str = "SUM", factor: float = 1.0) -> dict:
-    return {"tensor": _reduce([i["tensor"] for i in ins], op, factor) if rank == dst else ins[rank]["tensor"]}
-
-
-def ref_all_gather_into_tensor(size: int, rank: int, ins: List[dict]) -> dict:
-    return {"output_tensor": np.concatenate([i["input_tensor"].reshape(-1) for i in ins])}
-
-
-def ref_all_gather(size: int, rank: int, ins: List[dict]) -> dict:
-    return {"tensor_list": [i["tensor"] for i in ins]}
-
-
-def ref_reduce_scatter_tensor(size: int, rank: int, ins: List[dict], op: str = "SUM", factor: float = 1.0) -> dict:
-    full = _reduce([i["input"].reshape(-1) for i in ins], op, factor)
-    n = full.size // size
-    return {"output": full[rank * n:(rank + 1) * n]}
-
-
-def ref_reduce_scatter(size: int, rank: int, ins: List[dict], op: str = "SUM", factor: float = 1.0) -> dict:
-    return {"output": _reduce([i["input_list"][rank] for i in ins], op, factor)}
-
-
-def ref_all_to_all_single(size: int, rank: int, ins: List[dict]) -> dict:
-    # ins[r] may carry rank r's input_split_sizes (rows of dim 0); without them the split is even.
-    blocks = []
-    for r in range(size):
-        splits = ins[r].get("input_split_sizes")
-        if splits is None:
-            x = ins[r]["input"].reshape(-1)
-            n = x.size // size
-            blocks.append(x[rank * n:(rank + 1) * n])
-        else:
-            start = sum(splits[:rank])
-            blocks.append(ins[r]["input"][start:start + splits[rank]].reshape(-1))
-    return {"output": np.concatenate(blocks)}
-
-
-def ref_all_to_all(size: int, rank: int, ins: List[dict]) -> dict:
-    return {"output_tensor_list": [ins[r]["input_tensor_list"][rank] for r in range(size)]}
-
-
-def ref_gather(size: int, rank: int, ins: List[dict], dst: int = 0) -> dict:
-    return {"gather_list": [i["tensor"] for i in ins]} if rank == dst else {}
-
-
-def ref_scatter(size: int, rank: int, ins: List[dict], src: int = 0) -> dict:
-    return {"tensor": ins[src]["scatter_list"][rank]}
-
-
-def ref_barrier(size: int, rank: int, ins: List[dict]) -> dict:
-    return {}
 
 
 # -------------------------------------------------------------- the table

@@ -13,7 +13,7 @@ and, like ProcessGroupNCCL's default error handling
 the process with a clear message when an operation outlives its
 communicator's timeout:
 
-- Every operation is in the flight recorder (:mod:`streamcoll.flight`); the
+- Every operation is in the flight recorder (:mod:`streamcoll.core.recorder`); the
   watchdog looks at each live communicator every ``min(0.5 s, timeout / 10)``.
   A hang is: a synchronous call that has not returned (the recorder keeps no
   start time for those, to stay cheap: its age counts from the pass that
@@ -26,29 +26,13 @@ communicator's timeout:
   synchronous call (a dead peer) ends the process within the timeout plus
   about 1 s (measured across two simulated hosts, 2 x 1 and 2 x 2, 5 s timeout:
   5.1-5.4 s after the kill; 6.6 s with the earlier 1 s grace and 1 s interval).
-- On a hang it marks the communicator failed, writes the flight record
-  (``STREAMCOLL_FLIGHT_DIR``), reports what hung (op, sequence number, shapes,
-  rank, timeout) and what to do through the ``streamcoll.diagnostics.watchdog`` logger
-  (stderr where the program configured no logging), aborts an NCCL communicator
-  (``ncclCommAbort``), and then, by default, ends the process with
-  ``os._exit(EXIT_CODE)`` (86): a launcher such as torchrun then sees a failed
-  rank and tears the job down. ``STREAMCOLL_WATCHDOG=fail`` keeps the
-  process (the communicator is marked failed and later calls raise; a thread
-  stuck inside oneCCL stays stuck); ``STREAMCOLL_WATCHDOG=off`` watches
-  nothing (its thread then only runs for CPU communicators, to start what
-  the next item says).
+- On a hang it hands the communicator to :mod:`streamcoll.diagnostics.failure`
+  (mark failed, dump, report, abort, and by default end the process).
 - Each pass also starts the small CPU async calls queued without waking
   their comm thread (:mod:`streamcoll.core.work`, "When a small async call
   starts") that nothing in the process has touched since: a caller blocked
   on something else between issuing and waiting (a store, a gloo group)
   still sees its call go out, within a pass.
-- A communicator whose timeout was already reported to the caller
-  (``Work.wait(timeout)`` raised :class:`~streamcoll.CollectiveTimeout`) is
-  left to the caller: its later calls raise at once, and the process may end
-  normally. A normal exit while a oneCCL call is still running would crash in
-  the library's teardown (measured: SIGSEGV); :func:`skip_native_teardown`
-  registers a C ``on_exit`` handler that calls ``_exit(status)`` before the
-  libraries' destructors run, keeping the exit status.
 
 Init is watched the same way through :func:`guard` (a blocking
 ``onecclCommInitRank`` whose peers never come would otherwise wait forever).
@@ -68,14 +52,13 @@ import contextlib
 import itertools
 import logging
 import os
-import sys
 import threading
-import time
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ..core import helper_threads, hooks as _hooks, recorder
-from . import shm_regions
+from .failure import (EXIT_CODE, _after_failure, _dump_quietly, _exit_now, _what_to_do, handle_timeout, mode,
+                      skip_native_teardown)
 from ..core.backends import _BACKENDS
 from ..core.checks import WAITING
 from .._ffi.errors import CollectiveTimeout
@@ -85,122 +68,14 @@ __all__ = ["EXIT_CODE", "register", "handle_timeout", "skip_native_teardown", "g
 
 log = logging.getLogger("streamcoll.diagnostics.watchdog")
 
-EXIT_CODE = 86
 GRACE_S = 1.0  # async work only: a Work.wait timing out at the same moment raises first
 INTERVAL_S = 0.5  # longest pass interval: a hang is reported within timeout + 2 intervals
 SCAN = 256  # newest entries of each communicator looked at per pass
 
 
-# torch's TORCH_NCCL_ASYNC_ERROR_HANDLING, where the meaning is the same: 1
-# (tear down) and 3 (skip clean-up) end the process, 0 (no handling) and 2
-# (clean up only) report and fail the communicator and keep the process.
-_TORCH_MODES = {"0": "fail", "1": "exit", "2": "fail", "3": "exit"}
-
-
-def mode() -> str:
-    """``exit`` (default), ``fail`` or ``off`` (``STREAMCOLL_WATCHDOG``;
-    unset: ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 1/3 exit, 0/2 fail)."""
-    m = os.environ.get("STREAMCOLL_WATCHDOG", "").strip().lower()
-    if not m:
-        t = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "").strip()
-        m = _TORCH_MODES.get(t, "exit")
-    if m in ("0", "false", "no"):
-        m = "off"
-    if m not in ("exit", "fail", "off"):
-        raise ValueError(f"STREAMCOLL_WATCHDOG: expected exit, fail or off, got {m!r}")
-    return m
-
-
 def _shapes(comm: Any, e: Any) -> list:
     shapes = comm.flight.describe(comm, e)["shapes"]
     return [tuple(s) if s is not None else None for s in shapes] if shapes is not None else []
-
-
-def _what_to_do(comm: Any) -> str:
-    if comm._backend.name == "nccl":
-        return ("the NCCL communicator was aborted (ncclCommAbort); create a new one "
-                "(or restart the job) to continue")
-    return ("oneCCL cannot abort a communicator, so the stuck call never returns: end the process "
-            "(a normal exit works) and restart the job; look for a rank that died, hung or called a "
-            "different collective")
-
-
-def _dump_quietly(comm: Any, reason: str) -> str:
-    try:
-        return recorder.dump(comm, None, reason)
-    except Exception as e:  # a full disk must not hide the timeout itself
-        return f"(could not be written: {e})"
-
-
-def handle_timeout(comm: Any, op: str, seq: int, timeout: float, shapes: list,
-                   detail: str = "") -> CollectiveTimeout:
-    """What a timeout reported to the caller does (``Work.wait``,
-    ``synchronize``): mark ``comm`` failed, dump its flight record, abort it
-    where the library can, and make a normal process exit safe. Returns the
-    :class:`CollectiveTimeout` to raise (it names the dump)."""
-    first = comm.failure is None
-    if first:
-        # Mark first: the dump then says "failed", and other threads' calls raise at once.
-        comm.mark_failed(CollectiveTimeout(op, seq, timeout, shapes, comm._rank, comm._size))
-    path = _dump_quietly(comm, f"timeout of {op} #{seq}") if first else None
-    detail = (detail + "; " if detail else "") + _what_to_do(comm)
-    if path:
-        detail += f"; flight record: {path} (python -m streamcoll.flight analyze {os.path.dirname(path)})"
-    exc = CollectiveTimeout(op, seq, timeout, shapes, comm._rank, comm._size, detail)
-    if first:
-        comm.mark_failed(exc, replace=True)  # the detailed error replaces the placeholder set above
-        _after_failure(comm)
-    return exc
-
-
-def _after_failure(comm: Any) -> None:
-    """The library's teardown after a failure: ``Communicator.abort`` (NCCL:
-    ncclCommAbort; oneCCL, which cannot abort: a call still inside it makes
-    the exit skip the native teardown)."""
-    try:
-        comm.abort()
-    except Exception as e:  # the failure itself is what gets reported
-        log.debug("streamcoll watchdog: abort of %r after its failure raised %r", comm.name, e)
-
-
-# ------------------------------------------------------- exit without teardown
-_SKIP_LOCK = threading.Lock()
-_SKIP_REGISTERED = False
-_KEEP: List[Any] = []
-
-
-def skip_native_teardown() -> bool:
-    """Make the process's exit skip the native libraries' teardown, keeping
-    the exit status. Called once a native call can never return (oneCCL has
-    no abort): their C++ destructors would run under the stuck call and crash.
-
-    glibc's ``on_exit`` runs handlers newest first, before the destructors of
-    libraries loaded earlier, and passes the exit status: registering
-    ``_exit`` itself ends the process there, after Python's own finalisation
-    (atexit handlers, flushed ``sys.stdout``/``sys.stderr``). Elsewhere, a
-    Python ``atexit`` handler calls ``os._exit(1)``. Returns True if the C
-    handler is in place.
-    """
-    global _SKIP_REGISTERED
-    with _SKIP_LOCK:
-        if _SKIP_REGISTERED:
-            return True
-        _SKIP_REGISTERED = True
-        try:
-            import cffi
-            ffi = cffi.FFI()
-            ffi.cdef("int on_exit(void (*function)(int, void *), void *arg); void _exit(int);")
-            libc: Any = ffi.dlopen(None)  # declares on_exit/_exit (cdef above)
-            fp = ffi.cast("void (*)(int, void *)", ffi.addressof(libc, "_exit"))
-            if libc.on_exit(fp, ffi.NULL) == 0:
-                _KEEP.append((ffi, libc, fp))
-                return True
-        except Exception:
-            pass
-        import atexit
-
-        atexit.register(_exit_now, 1)
-        return False
 
 
 # ------------------------------------------------------------------ the thread
@@ -572,17 +447,6 @@ def _report(msg: str) -> None:
         log.error("%s", msg)
     except Exception:
         pass
-
-
-def _exit_now(code: int = EXIT_CODE) -> None:
-    """Flush Python's streams, then end the process without running teardown."""
-    shm_regions.remove_own(f"on the watchdog's exit (code {code})")
-    for s in (sys.stdout, sys.stderr):
-        try:
-            s.flush()
-        except Exception:
-            pass
-    os._exit(code)
 
 
 WATCHDOG = Watchdog()

@@ -52,6 +52,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..startup import bootstrap
+from ..core import source_text as _text
 from ..core import spec as _spec
 from . import torch_version as _tv
 from ..core.communicator import Communicator, communicator_by_id
@@ -333,7 +334,7 @@ def _sources(s: _spec.CollectiveSpec) -> Tuple[str, List[str]]:
             f"    return {_FAKE[shape]}",  # type: ignore[index]
             ""]
     # traced wrapper (what streamcoll.<name> is while compiling)
-    wsig = _spec.signature_text(s, group=True).replace(", *,", ",")
+    wsig = _text.signature_text(s, group=True).replace(", *,", ",")
     opargs = ", ".join([p.name for p in bufs] + [p.name for p in ranks]
                        + [f"_lst({p.name})" for p in splits] + ["cid"] + (["name", "factor"] if red else []))
     ts = "[" + ", ".join(p.name for p in sorted(bufs, key=lambda p: not p.mutable)) + "]"

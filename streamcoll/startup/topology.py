@@ -23,7 +23,7 @@ loopback key-value store) make init hang. A rank reports instead:
   (identity, node).
 - its **machine** (the boot id alone) and CPU affinity: ranks on one machine
   share its cores even in different namespaces, which decides whether they
-  may spin (see ``env.py``): a machine is oversubscribed when its ranks'
+  may spin (see :mod:`streamcoll.startup.env_defaults`): a machine is oversubscribed when its ranks'
   CPU sets cannot give each rank a core of its own (:func:`core_each`).
 - the values of the variables that must agree across ranks which are not
   streamcoll's to choose (the user's, or in effect since the process's first
@@ -50,13 +50,12 @@ network namespaces, hostnames, one route per host, the cores of each machine,
 the clash findings), so what each rank receives grows with the hosts, and no
 rank's CPU list travels past rank 0. Each rank keeps its own facts
 (:attr:`Topology.me`). Layouts and facts cross the store in a generic form
-(:func:`to_plain`/:func:`from_plain`, driven by the dataclasses' field types):
+(:mod:`streamcoll.startup.wire`, driven by the dataclasses' field types):
 a field added to :class:`RankFacts` or :class:`Layout` travels without
 changes to the exchange.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import ipaddress
 import json
@@ -68,6 +67,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from .hosts import host_identity, interface_of
+from .wire import from_plain, parse_runs, run_text, to_plain
 
 if TYPE_CHECKING:  # pragma: no cover
     from .env_defaults import Agreed
@@ -126,115 +126,6 @@ class RankFacts:
     @classmethod
     def from_json(cls, s: typing.Union[str, bytes]) -> "RankFacts":
         return from_plain(cls, json.loads(s))
-
-
-# ---------------------------------------------------- generic serialisation
-def run_text(values: Sequence[int]) -> str:
-    """Ranks or CPUs as text, ``(0, 1, 2, 3, 8)`` -> ``"0..3,8"``, order kept (ascending runs)."""
-    out: List[str] = []
-    i = 0
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
-            j += 1
-        out.append(str(values[i]) if i == j else f"{values[i]}..{values[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
-def parse_runs(text: str) -> Tuple[int, ...]:
-    """The inverse of :func:`run_text`."""
-    out: List[int] = []
-    for part in text.split(",") if text else ():
-        a, sep, b = part.partition("..")
-        out.extend(range(int(a), int(b) + 1) if sep else (int(a),))
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=None)
-def _hints(cls: type) -> Dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _is_int_run(hint: Any) -> bool:
-    return typing.get_origin(hint) is tuple and typing.get_args(hint) == (int, Ellipsis)
-
-
-def to_plain(value: Any, hint: Any = None) -> Any:
-    """``value`` as JSON-able data, field by field from the dataclasses'
-    declarations: nested dataclasses become dicts, ``Tuple[int, ...]``
-    fields range text (CPU lists and rank lists are mostly runs), other
-    tuples lists. The inverse is :func:`from_plain`."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        hints = _hints(type(value))
-        return {f.name: to_plain(getattr(value, f.name), hints.get(f.name)) for f in dataclasses.fields(value)}
-    if hint is not None and _is_int_run(hint) and isinstance(value, (tuple, list)):
-        return run_text([int(v) for v in value])
-    if isinstance(value, (tuple, list)):
-        args = typing.get_args(hint) if hint is not None else ()
-        if len(args) == 2 and args[1] is Ellipsis:
-            return [to_plain(v, args[0]) for v in value]
-        if typing.get_origin(hint) is list and args:
-            return [to_plain(v, args[0]) for v in value]
-        if args and len(args) == len(value):
-            return [to_plain(v, a) for v, a in zip(value, args)]
-        return [to_plain(v) for v in value]
-    if isinstance(value, dict):
-        args = typing.get_args(hint) if hint is not None else ()
-        return {str(k): to_plain(v, args[1] if len(args) == 2 else None) for k, v in value.items()}
-    return value
-
-
-def from_plain(hint: Any, data: Any) -> Any:
-    """Rebuild a value of type ``hint`` from :func:`to_plain`'s output.
-    Fields a peer did not send take their defaults; fields this version does
-    not know are ignored. The decoder of each type is built once from its
-    declarations (every rank decodes the whole layout)."""
-    dec = _decoder(hint)
-    return data if dec is None else dec(data)
-
-
-@functools.lru_cache(maxsize=None)
-def _decoder(hint: Any) -> Any:
-    """A function rebuilding ``hint`` from plain data, or None where the
-    plain data is the value (str, int, bool, float, None, Any)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is typing.Union:
-        inner = [a for a in args if a is not type(None)]
-        one = _decoder(inner[0]) if len(inner) == 1 else None
-        if one is None:
-            return None
-        return lambda data: None if data is None else one(data)
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        hints = _hints(hint)
-        names = [f.name for f in dataclasses.fields(hint) if f.init]
-        convert = {n: d for n in names if (d := _decoder(hints.get(n, Any))) is not None}
-        cls = hint
-
-        def dataclass_(data: Any) -> Any:
-            kw = {n: data[n] for n in names if n in data}
-            for n, d in convert.items():
-                if n in kw:
-                    kw[n] = d(kw[n])
-            return cls(**kw)
-        return dataclass_
-    if origin is tuple:
-        if args == (int, Ellipsis):
-            return lambda data: parse_runs(data) if isinstance(data, str) else tuple(int(v) for v in data)
-        if len(args) == 2 and args[1] is Ellipsis:
-            each = _decoder(args[0])
-            return tuple if each is None else (lambda data: tuple(map(each, data)))
-        if args:
-            decs = [_decoder(a) or (lambda v: v) for a in args]
-            return lambda data: tuple(d(v) for d, v in zip(decs, data))
-        return tuple
-    if origin is list:
-        each = _decoder(args[0]) if args else None
-        return list if each is None else (lambda data: list(map(each, data)))
-    if origin is dict:
-        val = _decoder(args[1]) if len(args) == 2 else None
-        return dict if val is None else (lambda data: {k: val(v) for k, v in data.items()})
-    return None
 
 
 # ------------------------------------------------------------------ routing

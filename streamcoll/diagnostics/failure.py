@@ -1,0 +1,152 @@
+"""What a collective's failure does to the process: the communicator is
+marked failed (later calls raise at once), its flight record is written,
+the failure is reported with what to do, the communicator is aborted where
+the library can (NCCL: ``ncclCommAbort``), and then, by default, the process
+ends with ``os._exit(EXIT_CODE)`` (86), so that a launcher such as torchrun
+sees a failed rank and tears the job down. ``STREAMCOLL_WATCHDOG=fail``
+keeps the process (a thread stuck inside oneCCL stays stuck);
+``STREAMCOLL_WATCHDOG=off`` watches nothing (:func:`mode`). The watchdog's
+thread (:mod:`streamcoll.diagnostics.watchdog`) finds the hangs; a timeout
+reported to the caller (``Work.wait(timeout)``) arrives here through
+:func:`handle_timeout` and is then left to the caller.
+
+A normal exit while a oneCCL call is still running would crash in the
+library's teardown (measured: SIGSEGV): :func:`skip_native_teardown`
+registers a C ``on_exit`` handler that calls ``_exit(status)`` before the
+libraries' destructors run, keeping the exit status.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from typing import Any, List
+
+from ..core import recorder
+from .._ffi.errors import CollectiveTimeout
+from . import shm_regions
+
+__all__ = ["EXIT_CODE", "mode", "handle_timeout", "skip_native_teardown"]
+
+log = logging.getLogger("streamcoll.diagnostics.watchdog")  # the watchdog's reports: one logger
+
+EXIT_CODE = 86
+
+
+# torch's TORCH_NCCL_ASYNC_ERROR_HANDLING, where the meaning is the same: 1
+# (tear down) and 3 (skip clean-up) end the process, 0 (no handling) and 2
+# (clean up only) report and fail the communicator and keep the process.
+_TORCH_MODES = {"0": "fail", "1": "exit", "2": "fail", "3": "exit"}
+
+
+def mode() -> str:
+    """``exit`` (default), ``fail`` or ``off`` (``STREAMCOLL_WATCHDOG``;
+    unset: ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 1/3 exit, 0/2 fail)."""
+    m = os.environ.get("STREAMCOLL_WATCHDOG", "").strip().lower()
+    if not m:
+        t = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "").strip()
+        m = _TORCH_MODES.get(t, "exit")
+    if m in ("0", "false", "no"):
+        m = "off"
+    if m not in ("exit", "fail", "off"):
+        raise ValueError(f"STREAMCOLL_WATCHDOG: expected exit, fail or off, got {m!r}")
+    return m
+
+
+def _what_to_do(comm: Any) -> str:
+    if comm._backend.name == "nccl":
+        return ("the NCCL communicator was aborted (ncclCommAbort); create a new one "
+                "(or restart the job) to continue")
+    return ("oneCCL cannot abort a communicator, so the stuck call never returns: end the process "
+            "(a normal exit works) and restart the job; look for a rank that died, hung or called a "
+            "different collective")
+
+
+def _dump_quietly(comm: Any, reason: str) -> str:
+    try:
+        return recorder.dump(comm, None, reason)
+    except Exception as e:  # a full disk must not hide the timeout itself
+        return f"(could not be written: {e})"
+
+
+def handle_timeout(comm: Any, op: str, seq: int, timeout: float, shapes: list,
+                   detail: str = "") -> CollectiveTimeout:
+    """What a timeout reported to the caller does (``Work.wait``,
+    ``synchronize``): mark ``comm`` failed, dump its flight record, abort it
+    where the library can, and make a normal process exit safe. Returns the
+    :class:`CollectiveTimeout` to raise (it names the dump)."""
+    first = comm.failure is None
+    if first:
+        # Mark first: the dump then says "failed", and other threads' calls raise at once.
+        comm.mark_failed(CollectiveTimeout(op, seq, timeout, shapes, comm._rank, comm._size))
+    path = _dump_quietly(comm, f"timeout of {op} #{seq}") if first else None
+    detail = (detail + "; " if detail else "") + _what_to_do(comm)
+    if path:
+        detail += f"; flight record: {path} (python -m streamcoll.flight analyze {os.path.dirname(path)})"
+    exc = CollectiveTimeout(op, seq, timeout, shapes, comm._rank, comm._size, detail)
+    if first:
+        comm.mark_failed(exc, replace=True)  # the detailed error replaces the placeholder set above
+        _after_failure(comm)
+    return exc
+
+
+def _after_failure(comm: Any) -> None:
+    """The library's teardown after a failure: ``Communicator.abort`` (NCCL:
+    ncclCommAbort; oneCCL, which cannot abort: a call still inside it makes
+    the exit skip the native teardown)."""
+    try:
+        comm.abort()
+    except Exception as e:  # the failure itself is what gets reported
+        log.debug("streamcoll watchdog: abort of %r after its failure raised %r", comm.name, e)
+
+
+# ------------------------------------------------------- exit without teardown
+_SKIP_LOCK = threading.Lock()
+_SKIP_REGISTERED = False
+_KEEP: List[Any] = []
+
+
+def skip_native_teardown() -> bool:
+    """Make the process's exit skip the native libraries' teardown, keeping
+    the exit status. Called once a native call can never return (oneCCL has
+    no abort): their C++ destructors would run under the stuck call and crash.
+
+    glibc's ``on_exit`` runs handlers newest first, before the destructors of
+    libraries loaded earlier, and passes the exit status: registering
+    ``_exit`` itself ends the process there, after Python's own finalisation
+    (atexit handlers, flushed ``sys.stdout``/``sys.stderr``). Elsewhere, a
+    Python ``atexit`` handler calls ``os._exit(1)``. Returns True if the C
+    handler is in place.
+    """
+    global _SKIP_REGISTERED
+    with _SKIP_LOCK:
+        if _SKIP_REGISTERED:
+            return True
+        _SKIP_REGISTERED = True
+        try:
+            import cffi
+            ffi = cffi.FFI()
+            ffi.cdef("int on_exit(void (*function)(int, void *), void *arg); void _exit(int);")
+            libc: Any = ffi.dlopen(None)  # declares on_exit/_exit (cdef above)
+            fp = ffi.cast("void (*)(int, void *)", ffi.addressof(libc, "_exit"))
+            if libc.on_exit(fp, ffi.NULL) == 0:
+                _KEEP.append((ffi, libc, fp))
+                return True
+        except Exception:
+            pass
+        import atexit
+
+        atexit.register(_exit_now, 1)
+        return False
+
+
+def _exit_now(code: int = EXIT_CODE) -> None:
+    """Flush Python's streams, then end the process without running teardown."""
+    shm_regions.remove_own(f"on the watchdog's exit (code {code})")
+    for s in (sys.stdout, sys.stderr):
+        try:
+            s.flush()
+        except Exception:
+            pass
+    os._exit(code)
