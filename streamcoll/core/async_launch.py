@@ -23,7 +23,7 @@ import torch
 
 from . import callbacks as _callbacks
 from . import helper_threads
-from . import recorder as _flight
+from . import recorder as _recorder
 from .._ffi.errors import UsageError
 from .recorder import FlightEntry
 from .spec import Plan
@@ -113,7 +113,7 @@ class AsyncLaunch:
         seq = self._seq = self._seq + 1
         if plan.p2p:
             self._p2p += 1
-        e = FlightEntry(seq, name, self._p2p, False, _now(), tuple(map(_wref, plan.keep)), _flight.ENQUEUED)
+        e = FlightEntry(seq, name, self._p2p, False, _now(), tuple(map(_wref, plan.keep)), _recorder.ENQUEUED)
         fr = self._flight
         fr.ring[seq & fr.mask] = e
         return seq, e
@@ -122,7 +122,7 @@ class AsyncLaunch:
         """Run a queued plan on the CPU comm thread, stamping its flight entry."""
         fr = self._flight
         e.t_start = _now()
-        e.state = _flight.RUNNING
+        e.state = _recorder.RUNNING
         fr.inflight = e
         try:
             rc = plan.fn(*plan.args, h)
@@ -131,14 +131,14 @@ class AsyncLaunch:
             if plan.post is not None:
                 plan.post()
         except BaseException as x:
-            e.state = _flight.FAILED
+            e.state = _recorder.FAILED
             e.error = f"{type(x).__name__}: {x}"
             raise
         finally:
             fr.inflight = None
         e.t_end = _now()
-        if e.state == _flight.RUNNING:  # not failed meanwhile (mark_failed)
-            e.state = _flight.COMPLETED
+        if e.state == _recorder.RUNNING:  # not failed meanwhile (mark_failed)
+            e.state = _recorder.COMPLETED
 
     def _execute_device(self, plan: Plan, e: FlightEntry, h: Any) -> None:
         """Launch a plan on a GPU comm stream (completion is the event's)."""
@@ -179,12 +179,12 @@ class AsyncLaunch:
                 try:
                     rt.submit(lane, self._execute_device, plan, e)
                 except BaseException as x:
-                    e.state = _flight.FAILED
+                    e.state = _recorder.FAILED
                     e.error = f"{type(x).__name__}: {x}"
                     raise
                 ev = rt.completion_event(lane, None)
                 e.t_start = e.t_enq
-                e.state = _flight.LAUNCHED
+                e.state = _recorder.LAUNCHED
                 e.event = ev  # the watchdog polls it
             else:
                 item = rt.submit(lane, self._execute_host, plan, e, here)

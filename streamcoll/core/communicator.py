@@ -99,10 +99,10 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import numpy as np
 import torch
 
-from . import checks as _debug
+from . import checks as _checks
 from . import general_methods
 from . import hooks as _hooks
-from . import recorder as _flight
+from . import recorder as _recorder
 from . import spec as _spec
 from . import work as _work
 from ._methods import CollectiveMethods
@@ -198,7 +198,7 @@ def _after_fork_in_child() -> None:
     # the parent's posted ops are not the child's; a parent thread may have held the lock at fork
     _work.POSTING_LOCK = threading.RLock()
     POSTING.clear()
-    _debug.WAITING.clear()  # the parent's threads waiting in a check are not the child's
+    _checks.WAITING.clear()  # the parent's threads waiting in a check are not the child's
     for c in list(_LIVE):
         c._forked = True
         c._posted = []
@@ -293,15 +293,15 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
         self._inline_async = 0 if self._gpu else read_int("STREAMCOLL_INLINE_ASYNC_BYTES", INLINE_ASYNC_BYTES, 0)
         self._lanes: Dict[Any, Lane] = {}
         self._cx = PlanContext(self)
-        self._flight = _flight.attach(self)
+        self._flight = _recorder.attach(self)
         self._sync_events = _sync_events_for(self)
         self._launch_sync = build_sync_launcher(self)
         self._fast: Dict[str, Callable[..., Any]] = {}
         # first-call checks (debug.Signatures), read by the fast paths, and the per-call checks,
         # with the values the ranks agreed on (not this process's environment now)
-        self._sig = _debug.signatures_for(self, int(self._own["STREAMCOLL_SIGNATURE_CHECKS"]))
+        self._sig = _checks.signatures_for(self, int(self._own["STREAMCOLL_SIGNATURE_CHECKS"]))
         self._build_fast_paths()
-        _debug.maybe_install(self, self._own["STREAMCOLL_DEBUG_CHECKS"] == "1")
+        _checks.maybe_install(self, self._own["STREAMCOLL_DEBUG_CHECKS"] == "1")
         for h in _hooks.on_create:  # the watchdog watches it (streamcoll.core.hooks)
             h(self)
         _LIVE.add(self)
@@ -347,7 +347,7 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
         return self._seq
 
     @property
-    def flight(self) -> _flight.FlightRecorder:
+    def flight(self) -> _recorder.FlightRecorder:
         """This communicator's flight recorder (recent operations)."""
         return self._flight
 
@@ -424,15 +424,15 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
         # results, or work queued behind a stuck call, are not to be trusted).
         fr = self._flight
         for e in fr.recent(self._seq, fr.capacity):
-            if e.sync or e.state not in (_flight.ENQUEUED, _flight.RUNNING, _flight.LAUNCHED):
+            if e.sync or e.state not in (_recorder.ENQUEUED, _recorder.RUNNING, _recorder.LAUNCHED):
                 continue
-            if e.state == _flight.LAUNCHED and e.event is not None:
+            if e.state == _recorder.LAUNCHED and e.event is not None:
                 try:
                     if e.event.query():
                         continue  # it had finished
                 except Exception:
                     pass
-            e.state = _flight.FAILED
+            e.state = _recorder.FAILED
             e.error = e.error or f"communicator failed while it was in flight: {self._failed}"
 
     def _work_failure(self, op: str, seq: int) -> CommunicatorError:
@@ -508,7 +508,7 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
             raise _hooks.on_timeout(self, op, seq, t, shapes, "destroy: queued asynchronous work did not "
                                     "finish; native communicator left allocated")
         if self._failed is None:
-            _debug.release(self)  # the keys its checks left in the store, once no rank reads them
+            _checks.release(self)  # the keys its checks left in the store, once no rank reads them
         lock = self._rt.exec_lock  # not under another thread's launch or the watchdog's query
         # not acquire() then try: an interrupt at that call's end kept the lock (streams._TryLock)
         with _TryLock(lock, ABORT_LOCK_WAIT_S) as got:
@@ -606,7 +606,7 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
         """Write this rank's flight record (recent operations) as JSON; returns
         the file. ``path``: a file or a directory (default ``STREAMCOLL_FLIGHT_DIR``).
         Read the dumps of all ranks with ``python -m streamcoll.flight analyze DIR``."""
-        return _flight.dump(self, path, "on request")
+        return _recorder.dump(self, path, "on request")
 
     # ------------------------------------------------------------ launching
     def _raise_rc(self, cname: str, rc: int) -> None:

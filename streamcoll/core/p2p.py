@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Seque
 
 import torch
 
-from . import recorder as _flight
+from . import recorder as _recorder
 from . import spec as _spec
 from .async_launch import AsyncLaunch
 from .._ffi.errors import UsageError
@@ -150,7 +150,7 @@ class PostedOps(AsyncLaunch):
                 plan, w = posted[0]
                 work = self._launch_async(w.op, plan, key, current)
             else:
-                work = self._launch_async(_flight.P2P_GROUP, self._group_plan([p for p, _ in posted]), key, current)
+                work = self._launch_async(_recorder.P2P_GROUP, self._group_plan([p for p, _ in posted]), key, current)
         except BaseException as e:  # noqa: BLE001 - handed to the Works, raised by their wait()
             for _, w in posted:
                 w._exc = e
@@ -193,7 +193,7 @@ class PostedOps(AsyncLaunch):
         if ops:
             plan = self._group_plan([p for _, p in ops])
             # a block holding p2p ops is point to point for the flight analysis (it advances the p2p count)
-            handle.work = self._launch(_flight.COALESCED_P2P if plan.p2p else "coalesced", plan, async_op, None)
+            handle.work = self._launch(_recorder.COALESCED_P2P if plan.p2p else "coalesced", plan, async_op, None)
 
 
 class _Coalesced:

@@ -1,19 +1,18 @@
 """Timeout arguments, checked once for every caller.
 
-One home for what :mod:`streamcoll.core.communicator` (the communicator's
-timeout, ``destroy(timeout=)``) and :mod:`streamcoll.core.work` (``wait(timeout)``)
-both need: before, ``work.py`` imported it back from ``communicator.py``,
-which imports ``work.py`` (the package's one import cycle).
+One home for every timeout conversion: the communicator's timeout and
+``destroy(timeout=)``, ``Work.wait(timeout)``, torch's option objects and
+process-group calls (:func:`torch_seconds`), ``_set_pg_timeout``.
 """
 from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Union
+from typing import Any, Optional, Union
 
 import numpy as np
 
-__all__ = ["DEFAULT_TIMEOUT", "env_timeout", "seconds"]
+__all__ = ["DEFAULT_TIMEOUT", "env_timeout", "seconds", "torch_seconds"]
 
 DEFAULT_TIMEOUT = 600.0  # seconds, as torch.distributed's default for NCCL
 
@@ -48,3 +47,15 @@ def seconds(timeout: Union[None, float, timedelta], name: str = "timeout") -> fl
     if not t > 0 or t == float("inf"):
         raise ValueError(f"{name}: expected a positive number of seconds or a timedelta, got {timeout!r}")
     return t
+
+
+def torch_seconds(timeout: Any) -> Optional[float]:
+    """A timeout as torch passes it (a timedelta in its option objects and
+    process-group calls) in seconds; None where torch means "unset" (None,
+    zero or negative)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        s = timeout.total_seconds()
+        return s if s > 0 else None
+    return float(timeout) if timeout > 0 else None

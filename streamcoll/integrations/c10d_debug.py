@@ -25,14 +25,9 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from ..core.timeouts import seconds
+
 __all__ = ["install", "set_group_timeout"]
-
-
-def _seconds(timeout: Any) -> float:
-    s = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if isinstance(s, bool) or not isinstance(s, (int, float)) or not s > 0:
-        raise ValueError(f"timeout: expected a positive timedelta or number of seconds, got {timeout!r}")
-    return float(s)
 
 
 def set_group_timeout(pg: Any, timeout: Any) -> None:
@@ -40,7 +35,9 @@ def set_group_timeout(pg: Any, timeout: Any) -> None:
     communicators from now on: the communicators created later, the
     watchdog's limit for calls running now and later, waits without their
     own timeout. A timedelta or seconds."""
-    s = _seconds(timeout)
+    if timeout is None:
+        raise ValueError("timeout: expected a positive timedelta or number of seconds, got None")
+    s = seconds(timeout)
     pg._timeout = timedelta(seconds=s)
     for c in list(pg._comms.values()):
         c.timeout = s

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from ..core import spec
 from ..core.callbacks import Future
 from ..core.communicator import Communicator
+from ..core.timeouts import torch_seconds
 from .._ffi.errors import CollectiveTimeout, CommunicatorError, RendezvousError
 from .c10d_debug import install as _install_torch_hooks, set_group_timeout
 from .torch_version import require_torch
@@ -47,16 +48,6 @@ from .torch_version import require_torch
 __all__ = ["ProcessGroupStreamcoll", "StreamcollWork", "create_process_group", "register_backend", "BACKEND_NAME"]
 
 BACKEND_NAME = "streamcoll"
-
-
-def _seconds(timeout: Any) -> Optional[float]:
-    """torch passes timeouts as timedelta; zero or negative means "unset"."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, timedelta):
-        s = timeout.total_seconds()
-        return s if s > 0 else None
-    return float(timeout) if timeout > 0 else None
 
 
 class StreamcollWork(dist._Work):
@@ -101,7 +92,7 @@ class StreamcollWork(dist._Work):
             if timeout is None and self._timeout is None:
                 w.wait()
             else:
-                t = _seconds(timeout)
+                t = torch_seconds(timeout)
                 w.wait(self._timeout if t is None else t)
         return True
 
@@ -277,7 +268,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
                             raise
                         if isinstance(e, RendezvousError) and not e.timed_out:
                             raise
-                        t = _seconds(self._timeout)
+                        t = torch_seconds(self._timeout)
                         raise CollectiveTimeout(
                             op, 0, t if t is not None else float("nan"), [], self._rank, self._size,
                             f"timed out waiting for the other ranks: the group's first collective on {dev} "
@@ -430,7 +421,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         if dev.type not in ("cpu", "cuda", "xpu"):
             raise ValueError(f"opts.device: the streamcoll backend supports cpu, cuda and xpu, got {dev}")
         c = self.communicator(dev, "barrier")
-        t = _seconds(getattr(opts, "timeout", None))
+        t = torch_seconds(getattr(opts, "timeout", None))
         if t is None:
             return self._work(c.barrier(self._async(opts)), [], "barrier")
         w = c.barrier(True)
@@ -558,7 +549,7 @@ def _root(opts: Any) -> int:
 def _timed(work: StreamcollWork, timeout: Any) -> StreamcollWork:
     """``work`` whose ``wait()`` without a timeout of its own waits ``timeout``
     (the C++ overloads' ``timeout`` argument; None: the communicator's)."""
-    t = _seconds(timeout)
+    t = torch_seconds(timeout)
     if t is not None:
         work._timeout = t
     return work
