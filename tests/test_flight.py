@@ -294,10 +294,10 @@ def test_call_in_flight_shows_its_shapes_and_state(monkeypatch):
 def test_flight_size_setting_is_validated(monkeypatch):
     monkeypatch.setenv("STREAMCOLL_FLIGHT_SIZE", "lots")
     with pytest.raises(ValueError, match="STREAMCOLL_FLIGHT_SIZE"):
-        flight._capacity()
+        flight.capacity()
     monkeypatch.setenv("STREAMCOLL_FLIGHT_SIZE", "-1")
     with pytest.raises(ValueError, match="STREAMCOLL_FLIGHT_SIZE"):
-        flight._capacity()
+        flight.capacity()
 
 
 def test_default_dir_follows_the_setting(monkeypatch, tmp_path):

@@ -143,8 +143,8 @@ def _consistent(comms: List[Any]) -> Optional[str]:
 def _reap(keep: List[Any]) -> None:
     """Destroy the communicators an interrupted creation left made (oneCCL
     has a bounded number of communicator ids)."""
-    from streamcoll.core.communicator import _LIVE
-    for c in list(_LIVE):
+    from streamcoll.core.communicator import LIVE
+    for c in list(LIVE):
         if not any(c is k for k in keep) and not c.destroyed:
             c.destroy()
 

@@ -219,8 +219,8 @@ def _cycles_main() -> None:
     full_s = time.monotonic() - t0
     gc.collect()
     after = {"fds": fds(), "threads": threading.active_count(), "rss": rss_mib()}
-    from streamcoll.core.communicator import _LIVE
-    live = len([c for c in _LIVE if not c._destroyed])
+    from streamcoll.core.communicator import LIVE
+    live = len([c for c in LIVE if not c._destroyed])
     print(json.dumps({"before": before, "after": after, "split_s": split_s, "full_s": full_s,
                       "live": live, "all_reduce_ok": t.tolist() == [1.0] * 16}))
 

@@ -147,7 +147,7 @@ def test_an_init_waiting_for_the_turn_is_reported_as_such(monkeypatch):
     from streamcoll.diagnostics import watchdog
     from streamcoll.core.backends import get_backend
     ts = get_backend("oneccl").turnstile
-    monkeypatch.setattr(watchdog, "_exit_now", lambda *a: None)
+    monkeypatch.setattr(watchdog, "exit_now", lambda *a: None)
     monkeypatch.setenv("STREAMCOLL_WATCHDOG", "fail")
     held = threading.Event()
     release = threading.Event()

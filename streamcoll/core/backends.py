@@ -292,12 +292,12 @@ class Backend:
         return True
 
 
-_BACKENDS: Dict[str, Backend] = {}
+BACKENDS: Dict[str, Backend] = {}
 
 
 def _after_fork_in_child() -> None:
     # a parent thread may have held the turn at fork: the child's own communicators start with a fresh turnstile
-    for b in _BACKENDS.values():
+    for b in BACKENDS.values():
         if b.turnstile is not None:
             b.turnstile = Turnstile()
 
@@ -308,7 +308,7 @@ if hasattr(os, "register_at_fork"):
 
 def get_backend(name: str) -> Backend:
     """The Backend named ``name`` ("nccl" or "oneccl"); does not load the library."""
-    b = _BACKENDS.get(name)
+    b = BACKENDS.get(name)
     if b is not None:
         return b
     binding: Binding
@@ -320,7 +320,7 @@ def get_backend(name: str) -> Backend:
         binding, prefix, name = ONECCL, "oneccl", "oneccl"
     else:
         raise ValueError(f"backend: expected 'nccl' or 'oneccl', got {name!r}")
-    b = _BACKENDS[name] = Backend(name, binding, prefix)
+    b = BACKENDS[name] = Backend(name, binding, prefix)
     return b
 
 

@@ -155,7 +155,7 @@ class HookHandle:
             r()
 
 
-_LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 
 # How long abort() and destroy() wait for another thread's launch on the same
 # communicator to finish its C call before freeing the native communicator
@@ -173,7 +173,7 @@ def communicator_by_id(cid: int) -> Optional["Communicator"]:
 def live_count(backend: str) -> int:
     """How many of this process's communicators on ``backend`` are not
     destroyed (oneCCL tears its transport down with the last of them)."""
-    return sum(1 for c in list(_LIVE) if c.backend == backend and not c.destroyed)
+    return sum(1 for c in list(LIVE) if c.backend == backend and not c.destroyed)
 
 
 # STREAMCOLL_INLINE_ASYNC_BYTES's default (Communicator.inline_async_bytes):
@@ -199,7 +199,7 @@ def _after_fork_in_child() -> None:
     _work.POSTING_LOCK = threading.RLock()
     POSTING.clear()
     _checks.WAITING.clear()  # the parent's threads waiting in a check are not the child's
-    for c in list(_LIVE):
+    for c in list(LIVE):
         c._forked = True
         c._posted = []
         c._post_lock = threading.Lock()
@@ -304,7 +304,7 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
         _checks.maybe_install(self, self._own["STREAMCOLL_DEBUG_CHECKS"] == "1")
         for h in _hooks.on_create:  # the watchdog watches it (streamcoll.core.hooks)
             h(self)
-        _LIVE.add(self)
+        LIVE.add(self)
 
     # ------------------------------------------------------------ properties
     @property
@@ -528,7 +528,7 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
             wait = max(t, ABORT_LOCK_WAIT_S)
             if self._backend.turnstile is not None and any(
                     c is not self and c._backend is self._backend and c._failed is not None and c._in_library()
-                    for c in list(_LIVE)):
+                    for c in list(LIVE)):
                 # a call inside a failed communicator may hold the turn and never return
                 # (oneCCL cannot abort): do not wait this communicator's whole timeout for it
                 wait = ABORT_LOCK_WAIT_S
@@ -675,7 +675,7 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
             else:
                 POSTING.pop(id(self), None)
             if was != bool(POSTING):
-                for c in list(_LIVE):
+                for c in list(LIVE):
                     c._refresh_fast_paths()
 
     def split(self, color: Optional[int], key: int = 0, timeout: Any = None) -> Optional["Communicator"]:
@@ -749,7 +749,7 @@ def adopt(backend: Any, handle: Any, make: Callable[[], "Communicator"]) -> "Com
     try:
         return make()
     except BaseException:
-        for c in list(_LIVE):  # registered before it was interrupted: it owns the handle now
+        for c in list(LIVE):  # registered before it was interrupted: it owns the handle now
             if getattr(c, "_handle", None) == handle:
                 c._handle = None
                 c._destroyed = True

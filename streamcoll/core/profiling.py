@@ -56,7 +56,7 @@ def _scalar(dtype: Any) -> str:
 _NAMES: dict = {}
 
 
-def _dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: Any) -> str:
     n = _NAMES.get(dtype)
     if n is None:
         n = _NAMES[dtype] = _scalar(dtype)
@@ -115,7 +115,7 @@ def begin(comm: Any, s: Any, args: tuple, async_op: Any) -> Optional[Any]:
         "Collective name": s.name,
         "In msg nelems": n_in,
         "Out msg nelems": n_out,
-        "dtype": _dtype_name(dtype) if dtype is not None else "",
+        "dtype": dtype_name(dtype) if dtype is not None else "",
         "In split size": _splits(a.get("input_split_sizes")),
         "Out split size": _splits(a.get("output_split_sizes")),
         "Process Group Name": str(comm.name),

@@ -77,7 +77,7 @@ class FlightEntry:
         return f"<FlightEntry #{self.seq} {self.op} {'sync' if self.sync else 'async'} {self.state}>"
 
 
-def _capacity() -> int:
+def capacity() -> int:
     """``STREAMCOLL_FLIGHT_SIZE``, else torch's ``TORCH_FR_BUFFER_SIZE``, else 1024."""
     if not os.environ.get("STREAMCOLL_FLIGHT_SIZE", "").strip() and os.environ.get("TORCH_FR_BUFFER_SIZE", "").strip():
         return read_int("TORCH_FR_BUFFER_SIZE", 1024, minimum=0)
@@ -222,7 +222,7 @@ def _read(r: Any) -> dict:
 
 def attach(comm: Any) -> FlightRecorder:
     """A recorder for ``comm`` (``STREAMCOLL_FLIGHT_SIZE`` entries)."""
-    return FlightRecorder(_capacity())
+    return FlightRecorder(capacity())
 
 
 # ----------------------------------------------------------------- dumping

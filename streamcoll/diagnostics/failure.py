@@ -54,7 +54,7 @@ def mode() -> str:
     return m
 
 
-def _what_to_do(comm: Any) -> str:
+def what_to_do(comm: Any) -> str:
     if comm._backend.name == "nccl":
         return ("the NCCL communicator was aborted (ncclCommAbort); create a new one "
                 "(or restart the job) to continue")
@@ -63,7 +63,7 @@ def _what_to_do(comm: Any) -> str:
             "different collective")
 
 
-def _dump_quietly(comm: Any, reason: str) -> str:
+def dump_quietly(comm: Any, reason: str) -> str:
     try:
         return recorder.dump(comm, None, reason)
     except Exception as e:  # a full disk must not hide the timeout itself
@@ -80,18 +80,18 @@ def handle_timeout(comm: Any, op: str, seq: int, timeout: float, shapes: list,
     if first:
         # Mark first: the dump then says "failed", and other threads' calls raise at once.
         comm.mark_failed(CollectiveTimeout(op, seq, timeout, shapes, comm._rank, comm._size))
-    path = _dump_quietly(comm, f"timeout of {op} #{seq}") if first else None
-    detail = (detail + "; " if detail else "") + _what_to_do(comm)
+    path = dump_quietly(comm, f"timeout of {op} #{seq}") if first else None
+    detail = (detail + "; " if detail else "") + what_to_do(comm)
     if path:
         detail += f"; flight record: {path} (python -m streamcoll.flight analyze {os.path.dirname(path)})"
     exc = CollectiveTimeout(op, seq, timeout, shapes, comm._rank, comm._size, detail)
     if first:
         comm.mark_failed(exc, replace=True)  # the detailed error replaces the placeholder set above
-        _after_failure(comm)
+        after_failure(comm)
     return exc
 
 
-def _after_failure(comm: Any) -> None:
+def after_failure(comm: Any) -> None:
     """The library's teardown after a failure: ``Communicator.abort`` (NCCL:
     ncclCommAbort; oneCCL, which cannot abort: a call still inside it makes
     the exit skip the native teardown)."""
@@ -137,11 +137,11 @@ def skip_native_teardown() -> bool:
             pass
         import atexit
 
-        atexit.register(_exit_now, 1)
+        atexit.register(exit_now, 1)
         return False
 
 
-def _exit_now(code: int = EXIT_CODE) -> None:
+def exit_now(code: int = EXIT_CODE) -> None:
     """Flush Python's streams, then end the process without running teardown."""
     shm_regions.remove_own(f"on the watchdog's exit (code {code})")
     for s in (sys.stdout, sys.stderr):

@@ -58,7 +58,7 @@ __all__ = [
 
 from ..core.recorder import (  # noqa: F401  (re-exported: the ring, and the dump written next to it)
     COALESCED_P2P, COMPLETED, ENQUEUED, FAILED, FORMAT_VERSION, LAUNCHED, P2P_ENTRIES, P2P_GROUP, RUNNING,
-    FlightEntry, FlightRecorder, _capacity, attach, default_dir, dump, now_ns, open_dump_dir, snapshot,
+    FlightEntry, FlightRecorder, capacity, attach, default_dir, dump, now_ns, open_dump_dir, snapshot,
     write_private, wref,
 )
 

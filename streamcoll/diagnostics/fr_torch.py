@@ -32,7 +32,7 @@ import re
 from typing import Any, Dict, List, Optional
 
 from ..core import hooks as _hooks
-from ..core.communicator import _LIVE
+from ..core.communicator import LIVE
 from ..core.recorder import open_dump_dir, snapshot, write_private
 
 __all__ = ["VERSION", "wanted", "prefix", "to_torch", "dump_torch"]
@@ -64,10 +64,10 @@ def prefix() -> str:
 
 
 def _dtype(s: Any) -> str:
-    from ..core.profiling import _dtype_name
+    from ..core.profiling import dtype_name
     import torch
     d = getattr(torch, str(s).replace("torch.", ""), None)
-    return _dtype_name(d) if isinstance(d, torch.dtype) else str(s)
+    return dtype_name(d) if isinstance(d, torch.dtype) else str(s)
 
 
 def _ns(wall: Any) -> int:
@@ -127,7 +127,7 @@ def _after_dump(comm: Any, reason: str) -> None:
     if not wanted():
         return
     try:
-        dump_torch([comm] + [c for c in list(_LIVE) if c is not comm], reason)
+        dump_torch([comm] + [c for c in list(LIVE) if c is not comm], reason)
     except Exception as e:  # noqa: BLE001
         logging.getLogger("streamcoll.flight").warning("torch-format flight dump not written: %s", e)
 

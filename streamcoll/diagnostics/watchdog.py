@@ -57,9 +57,9 @@ import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ..core import helper_threads, hooks as _hooks, recorder
-from .failure import (EXIT_CODE, _after_failure, _dump_quietly, _exit_now, _what_to_do, handle_timeout, mode,
+from .failure import (EXIT_CODE, after_failure, dump_quietly, exit_now, what_to_do, handle_timeout, mode,
                       skip_native_teardown)
-from ..core.backends import _BACKENDS
+from ..core.backends import BACKENDS
 from ..core.checks import WAITING
 from .._ffi.errors import CollectiveTimeout
 
@@ -174,7 +174,7 @@ class Watchdog:
         exc = CollectiveTimeout(op, seq, comm.timeout, shapes, comm._rank, comm._size,
                                 f"detected by the watchdog after {age:.1f} s")
         comm.mark_failed(exc)
-        path = _dump_quietly(comm, f"watchdog: {op} #{seq} running for {age:.1f} s")
+        path = dump_quietly(comm, f"watchdog: {op} #{seq} running for {age:.1f} s")
         lines = [
             "",
             f"streamcoll watchdog: {op} (sequence number {seq}) on communicator {comm.name!r} "
@@ -188,7 +188,7 @@ class Watchdog:
             f"  Flight record: {path}",
             f"  Collect every rank's dump and run: python -m streamcoll.flight analyze "
             f"{os.path.dirname(path) if os.path.isabs(path) else recorder.default_dir()}",
-            f"  What to do: {_what_to_do(comm)}.",
+            f"  What to do: {what_to_do(comm)}.",
         ]
         if m == "exit":
             lines.append(f"  Ending this process now with exit code {EXIT_CODE} "
@@ -207,19 +207,19 @@ class Watchdog:
         """Say what happened, abort an NCCL communicator, then end the process
         (``exit``) or make its exit safe (``fail``)."""
         self._announce(msg)
-        _after_failure(comm)
+        after_failure(comm)
         if m == "exit":
-            _exit_now()
+            exit_now()
 
     def _fire_error(self, comm: Any, err: BaseException) -> None:
         """An NCCL communicator reported an asynchronous error (a kernel failed
         or a peer died): the same handling as a hang, naming the error."""
         m = mode()
         comm.mark_failed(err)
-        path = _dump_quietly(comm, f"watchdog: asynchronous error {err}")
+        path = dump_quietly(comm, f"watchdog: asynchronous error {err}")
         msg = (f"\nstreamcoll watchdog: communicator {comm.name!r} ({comm.device}) on rank {comm.rank} of "
                f"{comm.size} reported an asynchronous error: {err}\n  Flight record: {path}\n"
-               f"  What to do: {_what_to_do(comm)}.")
+               f"  What to do: {what_to_do(comm)}.")
         if m == "exit":
             msg += f"\n  Ending this process now with exit code {EXIT_CODE}."
         self._end(comm, msg, m)
@@ -250,7 +250,7 @@ class Watchdog:
                + (f"\n  Ending this process now with exit code {EXIT_CODE}." if mode() == "exit" else ""))
         self._announce(msg)
         if mode() == "exit":
-            _exit_now()
+            exit_now()
 
     # -- guards for calls outside a communicator (init) ---------------------
     # (_init_waits_behind: module level, below)
@@ -431,7 +431,7 @@ def running_calls() -> List[str]:
                        f"{comm.name!r} (rank {comm.rank} of {comm.size}, {comm.backend}, running for "
                        f"{(now - (inf.t_start or inf.t_enq)) / 1e9:.1f} s)")
     out.extend(line for c, _, line in waits if not c.destroyed)
-    for b in list(_BACKENDS.values()):
+    for b in list(BACKENDS.values()):
         ts = b.turnstile
         if ts is not None:
             for w in list(ts.waiters.values()):
@@ -463,7 +463,7 @@ def register(comm: Any) -> None:
 
 def _init_waits_behind(what: str) -> str:
     """The holder of the turn that the guarded call ``what`` waits for, or ""."""
-    for b in list(_BACKENDS.values()):
+    for b in list(BACKENDS.values()):
         ts = b.turnstile
         if ts is not None and what in list(ts.waiters.values()):
             return turn_holder(ts)
@@ -473,7 +473,7 @@ def _init_waits_behind(what: str) -> str:
 def _waiting_behind_init(what: str) -> List[str]:
     """The life-cycle calls waiting for the turn that the guarded call ``what`` holds."""
     out: List[str] = []
-    for b in list(_BACKENDS.values()):
+    for b in list(BACKENDS.values()):
         ts = b.turnstile
         if ts is not None and ts.holder == what:
             out += [w for w in list(ts.waiters.values()) if isinstance(w, str)]

@@ -26,7 +26,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 import torch
 
 from ..core.backends import make_nonblocking, nccl_nonblocking_requested, resolve
-from ..core.communicator import Communicator, _seconds, adopt
+from ..core.communicator import Communicator, adopt
+from ..core.timeouts import seconds as _seconds
 from . import env_defaults as env, launchers, topology
 from ..diagnostics import shm_regions, watchdog
 from ..core.env_vars import read_int
