@@ -134,17 +134,11 @@ class Backend:
         # oneCCL 2022.2 declares onecclCommAbort not implemented).
         self.can_abort = "abort" in self.funcs
         # oneCCL may not be entered by two threads of one process at once,
-        # whatever the communicators (measured, 2 ranks, its CPU calls: an
-        # async all_reduce on one communicator's comm thread beside a
-        # synchronous one on another, or two threads each all-reducing on a
-        # communicator of its own, corrupt its shared request and flow-control
-        # state within 300 calls: "flow_control.cpp:49 return_credit:
-        # unexpected credits 1025, max_credits 1024", "request.cpp:71
-        # set_counter: unexpected counter 2", "request.cpp:33 complete_counter:
-        # unexpected prev_counter 0"; independent and split communicators
-        # alike). Every oneCCL call of the process runs in its turn, in issue
-        # order (streamcoll.core.turnstile says why not a lock). NCCL allows
-        # concurrent calls on different communicators: None.
+        # whatever the communicators (what was measured: docs/design.md,
+        # section 'The turnstile and its rule'). Every oneCCL call of the
+        # process runs in its turn, in issue order (streamcoll.core.turnstile
+        # says why not a lock). NCCL allows concurrent calls on different
+        # communicators: None.
         self.turnstile: Optional[Turnstile] = Turnstile() if name == "oneccl" else None
 
     def serial(self, timeout: Optional[float] = None, what: Optional[str] = None) -> ContextManager[bool]:

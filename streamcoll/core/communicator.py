@@ -1,89 +1,28 @@
 """The Communicator: one NCCL or oneCCL communicator, its life cycle, and
 the collectives, each derived from its declaration in :mod:`streamcoll.core.spec`.
 
-``async_op=False``, the current-stream strategy: the C call is launched on
-the caller's current stream (CPU: inline on the calling thread). No event,
-no cross-stream wait, no ``record_stream``; ordering with the caller's own
-work is the stream's. Returns None, as torch.distributed does.
+Two strategies, written once (:mod:`streamcoll.core.launch`):
+``async_op=False`` launches on the caller's current stream (CPU: inline on
+the calling thread) and returns None; ``async_op=True`` launches on the comm
+stream cached for the caller's (device, current stream) and returns a
+:class:`~streamcoll.core.work.Work`. Each collective method is generated
+from the table: the general method (bad input raises before any C call;
+:mod:`streamcoll.core.general_methods`) and, per communicator, a fast path
+for the synchronous common case.
 
-``async_op=True``, the comm-stream strategy: the comm stream cached for the
-caller's (device, current stream) waits on an event recorded on the current
-stream, the collective is launched on it, a completion event is recorded, and
-a :class:`~streamcoll.core.work.Work` comes back. The tensors stay referenced
-until the caller's stream waited on the completion (or, never waited, until
-the event fired); with ``record_stream=True`` they are instead marked with
-``Tensor.record_stream`` (``STREAMCOLL_RECORD_STREAM=1``).
+This module holds the life cycle, hooks, failure and the general launch
+(:meth:`Communicator._launch`). The other concerns are bases of the class
+(their methods are its own): :class:`~streamcoll.core.fast_paths.FastPaths`,
+:class:`~streamcoll.core.p2p.PostedOps` (when posted point-to-point ops go
+out, and what differs from torch: :mod:`streamcoll.core.p2p`) and
+:class:`~streamcoll.core.async_launch.AsyncLaunch`. :meth:`_refresh_fast_paths`
+decides whether it may issue, :meth:`mark_failed` ends pending work,
+:meth:`abort` tears down; the diagnostics attach through
+:mod:`streamcoll.core.hooks`, never imported here. On oneCCL every call of
+the process runs in its turn (:class:`streamcoll.core.turnstile.Turnstile`).
 
-Both strategies are written once (:mod:`streamcoll.core.launch`). Each collective
-method is generated from the table: the general method (any argument; bad
-input raises before any C call, so nothing is half issued;
-:mod:`streamcoll.core.general_methods`) and, per communicator, a fast path for
-the synchronous common case, installed as an instance attribute while the
-communicator is eligible (no pre-launch hooks, not coalescing, not failed
-or destroyed): :meth:`_refresh_fast_paths` is the one place that decides.
-
-This module holds the Communicator's life cycle, hooks, failure and the
-general launch (:meth:`Communicator._launch`, the one entry of both
-strategies); its other concerns are bases of the class, each in a module of
-its own, whose methods are the Communicator's (found on the class: no Python
-frame added on any call path): :class:`~streamcoll.core.fast_paths.FastPaths`
-(which path a call takes), :class:`~streamcoll.core.p2p.PostedOps` (posted
-point-to-point ops, coalescing blocks) and, under it,
-:class:`~streamcoll.core.async_launch.AsyncLaunch` (the comm-stream strategy and
-the completion of its Works).
-
-Point-to-point ops with torch's semantics: ``isend``/``irecv``/
-``batch_isend_irecv`` are *posted* (planned and validated, nothing issued)
-and a communicator's posted ops go out as one group launch on its comm
-stream (CPU: comm thread): before anything in the process blocks on other
-ranks, before another operation on the same communicator, and by a status
-query only when they include a send (the rule and why: :mod:`streamcoll.core.p2p`).
-
-oneCCL may not be entered by two threads of a process at once, whatever
-the communicators (measured: an async all_reduce on one communicator's comm
-thread beside a synchronous one on another corrupted its state within 300
-calls). So its calls run one at a time, in the order the process issued
-them, on every communicator (:class:`streamcoll.core.turnstile.Turnstile`,
-:attr:`Backend.turnstile <streamcoll.core.backends.Backend>`): a synchronous call
-goes behind the async work issued before it on any communicator, as it
-already did behind its own. Issue order is what ranks agree on; a plain
-lock would let ranks run the same two calls in different orders and
-deadlock. What this costs: work stuck inside oneCCL (a late peer) delays
-the process's later oneCCL calls on other communicators; and two threads
-issuing on different communicators must issue in the same order on every
-rank, or they deadlock (gloo, a thread per group, finishes). NCCL allows
-concurrent calls on different communicators: no turnstile there.
-
-What remains different from torch: a posted op launched before its partner
-was posted goes out on its own and occupies its communicator until the peer
-matches it: ``irecv``, a blocking call, then ``isend``, on both ranks,
-deadlocks where gloo finishes (post both before the blocking call, or use
-``batch_isend_irecv``), and so does ``isend``, a poll, then ``irecv`` on both
-ranks for messages above oneCCL's eager size (measured here: 1 KB sends return
-at once, 1 MB ones wait for the receive); ops on one communicator complete in
-issue order, and on oneCCL ops on all communicators (above): a launched lone
-``irecv`` on A holds up a later collective on B until its send arrives, so
-``A.irecv; B.all_reduce`` against ``B.all_reduce; A.send`` deadlocks where
-gloo finishes (post the receive after the collective, or pair it with the
-send in ``batch_isend_irecv``). A blocking ``send``/``recv`` on a
-communicator with posted ops joins their group. Tags: NCCL and oneCCL have
-none, so a non-zero ``tag`` is refused (ValueError) instead of being ignored.
-
-Failure: :meth:`Communicator._refresh_fast_paths` is the one place that
-decides whether the communicator may issue; every launcher checks it (the
-general path, the async path that posted ops go out through, the queued
-synchronous path, the generated fast paths, fast paths saved as bound
-attributes). :meth:`mark_failed` is the one place that ends pending work
-(posted ops, the comm thread's queue; the running call's result is failed),
-and :meth:`abort` the one teardown after a failure for each library.
-
-Other modules attach through hooks, never by writing privates:
-:meth:`register_pre_hook` (debug checks), :meth:`register_rc_hook`
-(non-blocking NCCL polling), :meth:`mark_failed` (watchdog, process group),
-and the flight recorder the communicator owns (:attr:`flight`). The
-diagnostics that observe every communicator (the watchdog, torch-format
-flight dumps) are never imported here: they fill the slots of
-:mod:`streamcoll.core.hooks` when the package imports them.
+Design: docs/design.md, sections 'The Communicator: its bases, failure
+and hooks', 'The two launch strategies', 'The turnstile and its rule'.
 """
 from __future__ import annotations
 

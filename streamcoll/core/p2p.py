@@ -3,42 +3,25 @@ posted ops of a :class:`~streamcoll.Communicator` (:class:`PostedOps`, one
 of its bases: its methods are the Communicator's own, found on the class,
 so having them here adds no Python frame to any call path).
 
-``isend``/``irecv``/
-``batch_isend_irecv`` are *posted* (planned and validated, nothing issued)
-and a communicator's posted ops go out as one group launch (GroupStart/
-GroupEnd, in which the library progresses sends and receives together) on
-its comm stream (CPU: comm thread). Torch's rule is that a posted op
-progresses on its own and never waits behind, or blocks, an unrelated
-operation. The libraries decide how close streamcoll can come: oneCCL's CPU
-calls block the calling thread until the peers took part, and a
-communicator must not be entered by two threads at once, so a launched p2p
-group occupies its communicator's comm thread until it completed. Hence the
-rule for when posted ops are launched:
+``isend``/``irecv``/``batch_isend_irecv`` are *posted* (planned and
+validated, nothing issued), and a communicator's posted ops go out as one
+group launch (GroupStart/GroupEnd) on its comm stream (CPU: comm thread),
+through :meth:`~streamcoll.core.async_launch.AsyncLaunch._launch_async`:
+oneCCL's CPU calls block until the peers took part, so a launched op
+occupies its communicator, and posting lets sends and receives progress
+together, as torch's do, with no thread per op. They go out:
 
-- **before anything in the process blocks on other ranks**, every
-  communicator's posted ops go out (:func:`streamcoll.core.work.launch_posted`):
-  a synchronous call on any communicator (its fast paths are off while any
-  op is posted anywhere), creating a communicator (a rendezvous), a wait
-  (``Work.wait``/``synchronize``/``get_future``: another communicator's
-  posted ops, and the waited op's own group), destroy. A peer may be blocked
-  on an op this process posted: ``A.isend(x, 1); B.all_reduce(y)`` against
-  ``A.recv(x, 0); B.all_reduce(y)`` finishes, as on gloo;
-- before another operation is issued on the same communicator, and when a
-  coalescing block opens (issue order is cross-rank order);
-- by a status query (``is_completed()``/``is_success()``/``exception()``)
-  only when the communicator's posted ops include a send, so that a loop
-  polling an exchange terminates; **never a lone receive** (the query
-  answers False/False/None): launched by a poll, it would occupy the comm
-  thread with the send posted after it queued behind, on both ranks. So
-  both ranks may ``irecv``, poll, then ``isend`` without a deadlock, and
-  without a thread per op. A loop that only polls a lone posted receive
-  never launches it: wait on it (or issue anything that blocks).
+- before anything in the process blocks on other ranks
+  (:func:`streamcoll.core.work.launch_posted`): a synchronous call, creating
+  a communicator, a wait, destroy;
+- before another operation on the same communicator, and when a coalescing
+  block opens;
+- by a status query only when they include a send, never a lone receive.
 
-A posted op goes out through the comm-stream strategy
-(:meth:`~streamcoll.core.async_launch.AsyncLaunch._launch_async`); a group of
-them is one plan between GroupStart and GroupEnd (:meth:`PostedOps._group_plan`),
-as is a coalescing block (:meth:`PostedOps.coalescing`), the other group
-launch, here too.
+A group of them is one plan (:meth:`PostedOps._group_plan`), as is a
+coalescing block (:meth:`PostedOps.coalescing`). The rule in full, why, and
+what still differs from torch (launch order, eager sizes, tags):
+docs/design.md, section 'Point-to-point: when posted ops go out'.
 """
 from __future__ import annotations
 

@@ -473,7 +473,7 @@ class PlanContext:
         A rank with a single Send or Recv issues it without a group: the
         same transfer, and oneCCL 2022.2 prints ``|CCL_ERROR| ... not
         completed event is destroyed`` for every Send/Recv issued inside a
-        group, never for one outside (measured; see :mod:`streamcoll.startup.native_output`),
+        group, never for one outside (measured: docs/design.md, section 'oneCCL's output'),
         so a gather's non-root ranks, and every rank of a 2-rank gather,
         stay quiet."""
         fs, fr, h = self.c["send"], self.c["recv"], self.handle

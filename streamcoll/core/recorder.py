@@ -1,8 +1,8 @@
 """The flight recorder's ring: one :class:`FlightRecorder` per communicator,
 written by the launch path (:mod:`streamcoll.core.launch`), read by the watchdog,
 by the dumps (:func:`snapshot`, :func:`dump`: here, next to the ring they
-read) and by the analysis of :mod:`streamcoll.diagnostics.flight` (where the layout and
-its costs are described). A module of its own so that importing streamcoll
+read) and by the analysis of :mod:`streamcoll.diagnostics.flight` (the layout and
+its costs: docs/design.md, section 'The flight recorder's ring'). A module of its own so that importing streamcoll
 does not import :mod:`streamcoll.diagnostics.flight`, which runs as a command
 (``python -m streamcoll.flight``).
 
@@ -48,8 +48,8 @@ wref = weakref.ref
 class FlightEntry:
     """One operation in the ring (named fields, one type for both strategies).
 
-    ``sync``: a synchronous call; its state is derived (see the module
-    docstring) and its slot object is reused by later synchronous calls, so
+    ``sync``: a synchronous call; its state is derived (docs/design.md,
+    section 'The flight recorder's ring') and its slot object is reused by later synchronous calls, so
     the hot path allocates nothing. Asynchronous entries are new objects
     (they are referenced by the comm thread and the watchdog until done).
     """

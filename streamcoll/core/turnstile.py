@@ -1,6 +1,6 @@
 """One C call at a time in the process, in issue order: for a library whose
-calls may not overlap in two threads (oneCCL: :attr:`Backend.turnstile
-<streamcoll.core.backends.Backend.turnstile>` says what was measured).
+calls may not overlap in two threads (oneCCL: what was measured is in
+docs/design.md, section 'The turnstile and its rule').
 
 Why issue order and not a lock: every rank of a job issues its calls in
 program order, and ranks only agree on an order the program gives. With a

@@ -1,16 +1,16 @@
 """Work: the handle an ``async_op=True`` collective returns.
 
-It mirrors torch.distributed's Work: ``wait()``, ``is_completed()``,
-``is_success()``, ``exception()``, ``get_future()``, ``result()``, plus
-``synchronize()`` (block the host until the collective finished).
+It mirrors torch.distributed's Work (``wait()``, ``is_completed()``,
+``is_success()``, ``exception()``, ``get_future()``, ``result()``), plus
+``synchronize()``: block the host until the collective finished.
 
 Lifetime of the tensors (stash mode, the default): the Work keeps references
 to the collective's inputs and outputs until the caller's stream has been
 made to wait on the completion event (``wait()``), so the caching allocator
 cannot hand their memory to someone else while the comm stream still uses
-it. Works nobody waits on (an ``isend`` fire-and-forget, say) are covered by
-the :class:`Reaper`, which holds the tensors until the completion event has
-fired. On the CPU the comm thread itself holds them until the C call returned.
+it. Works nobody waits on (a fire-and-forget ``isend``) are covered by the
+:class:`Reaper` (until the event fired); on the CPU the comm thread holds
+them until the C call returned.
 
 The async contract (torch's): an ``async_op=True`` call returns without
 waiting for its peers; ``wait(timeout)`` bounds the wait (past it,
@@ -18,51 +18,11 @@ waiting for its peers; ``wait(timeout)`` bounds the wait (past it,
 callbacks run, on the callback thread in completion order
 (:mod:`streamcoll.core.callbacks`), never on the thread issuing collectives.
 
-When a small async call starts (CPU; its largest buffer at most
-``Communicator.inline_async_bytes``, ``STREAMCOLL_INLINE_ASYNC_BYTES``,
-default 65536): it takes its sequence number and its turn in the process
-when issued, like any async call, and is queued on the communicator's comm
-thread without waking it for each call (a wake-up and the hand-back cost
-50-90 us against a ~10-20 us call). It starts at the first of:
-
-- ``wait()`` without a timeout: the caller would block until it completed
-  anyway, so it runs the call itself, on its own thread, if the call is
-  next on its communicator (``CpuRuntime.run_here``); otherwise the comm
-  thread, busy with the work before it, runs it;
-- ``wait(timeout)``, ``synchronize()``, ``is_completed()``,
-  ``is_success()``, ``exception()``, ``get_future()``, dropping the Work
-  unwaited: the comm thread is woken (a waiter with a timeout must be able
-  to stop waiting, a callback must not run on the caller's thread);
-- any later call on the same communicator (it is queued behind, and its
-  queueing wakes the comm thread), any call anywhere in the process that
-  waits for its turn behind it (``Turnstile.wait`` wakes it), destroy;
-- its deadline, ``streams.QUIET_START_NS`` (1 ms) after it was issued: the
-  comm thread starts it then, whatever its issuer does meanwhile (Python
-  code, a sleep, another library's C call that releases the GIL, a store
-  wait; not a C call that keeps the GIL: below). The comm thread
-  keeps that deadline without a wake-up per call: an idle one is woken by
-  the first quiet call, then looks at the queue at least every 1 ms while
-  quiet calls keep coming, and goes idle after a quiet millisecond.
-
-The rule, from the peers' side: an ``async_op=True`` call is in flight
-within 1 ms of being issued (plus the time the comm thread waits for the
-GIL while the issuer runs Python: at most the interpreter's switch interval,
-5 ms), on every path. The comm thread is a Python thread: while the issuer
-is inside a C call that keeps the GIL (``sorted`` of a long list, a pickle
-or ``json.dumps`` of a large object, a C extension that does not release
-it), nothing starts the call until that C call returns, and the peers wait
-that long (gloo's own threads need no GIL: 0.6-9 ms against 0.43-0.96 s
-behind a 0.3-0.5 s sort; ``inline_async_bytes = 0`` the same, unless the comm
-thread took the GIL before the issuer entered the C call;
-``tests/test_checks_review.py``). A peer that issued the call later and waits for it
-waits as it would on gloo (``tests/test_async_contract.py``: 0.2-0.6 ms
-behind an issuer busy for 0.3 s, gloo 0.5-3 ms in the same run; before,
-until the issuer's wait or a watchdog pass, 170-480 ms). The cost to the
-issuer: an issue-then-wait within 1 ms runs on its own thread as before;
-a longer gap gets the comm thread's hand-back, which it would have got with
-``inline_async_bytes = 0`` (every async call woken at once). So a small
-async call never blocks its caller on its peers, and completes in issue
-order with everything else.
+A small CPU async call (``Communicator.inline_async_bytes``) is queued
+without waking the comm thread and starts at the first of: ``wait()`` (which
+runs it on the caller's thread), a query or ``wait(timeout)``, a later call
+behind it, its 1 ms deadline (``streams.QUIET_START_NS``). The rule and its
+measurements: docs/design.md, section 'When a small async call starts'.
 """
 from __future__ import annotations
 
@@ -84,7 +44,7 @@ __all__ = ["Work", "PostedWork", "Reaper", "POSTING", "launch_posted", "awaited"
 # Communicators holding posted p2p ops not launched yet (id -> communicator):
 # what every blocking call in the process launches first (launch_posted), and
 # what turns the fast paths off on every communicator while it is not empty
-# (Communicator._refresh_fast_paths reads it). See Communicator's docstring.
+# (Communicator._refresh_fast_paths reads it). When posted ops go out: streamcoll.core.p2p.
 POSTING: Dict[int, Any] = {}
 POSTING_LOCK = threading.RLock()
 
@@ -458,18 +418,8 @@ POSTED_AWAIT_GRACE_S = 0.002  # how long an await of posted ops lets the loop's 
 
 class PostedWork(Work):
     """Handle of a posted point-to-point op (``isend``, ``irecv``,
-    ``batch_isend_irecv``) that has not been launched yet.
-
-    Why posted, not launched: torch's semantics are that posted p2p ops
-    progress independently until waited, so both ranks may ``irecv`` and then
-    ``isend``. Launched one by one, the first call (a receive) occupies the
-    comm stream (CPU: the comm thread) and the send behind it never starts:
-    both ranks deadlock. Instead the communicator collects posted ops and
-    launches all of them as one group (GroupStart/GroupEnd, in which the
-    library progresses them together) when anything in the process is about
-    to block on other ranks (a wait, a synchronous call) or another operation
-    is issued on the communicator; a status query never launches (see
-    ``Communicator``'s docstring). No thread per op.
+    ``batch_isend_irecv``) that has not been launched yet: posted ops go out
+    together, as one group (why, and when: :mod:`streamcoll.core.p2p`).
 
     Until then ``seq`` is 0; afterwards every method is the group's Work's.
     """

@@ -5,42 +5,23 @@ disagree or where some rank never arrived::
 
     python -m streamcoll.flight analyze DIR      # exit status 1 if it found a problem
 
-Why a ring written by index: recording runs on every collective, so it must
-cost a small fraction of a microsecond. The synchronous launch path
-(:mod:`streamcoll.core.launch`) reuses the :class:`FlightEntry` already in
-``ring[seq & mask]`` and stores three fields (sequence number, op, p2p
-count); nothing is allocated and nothing is locked beyond the exec lock the
-call holds anyway. Measured on this project's 2-core machine: a new object
-with a clock read and a weak reference per call cost 0.35-0.55 us; the
-field stores about 0.1 us.
-
-Entries (:class:`FlightEntry`, named fields). Common: sequence number, op
-name, how many point-to-point operations preceded it (so collectives are
-aligned across ranks that took part in different sends/receives).
-
-- Synchronous operations (current stream; on the CPU inline in the C call):
-  their state is derived: :attr:`FlightRecorder.done` holds the sequence
-  number of the last synchronous call that returned, so a later one is
-  running; failures go to :attr:`FlightRecorder.errors`. While a call runs,
-  :attr:`FlightRecorder.cur` holds its tensors (cleared when it returns),
-  which gives the shapes of a stuck call; the watchdog stamps when it first
-  saw it running. Completed synchronous calls keep no shapes and no times (a
-  clock read and a weak reference would double the cost); the analysis
-  compares their ops.
-- Asynchronous operations (comm stream, a Work; tens of microseconds anyway)
-  also have: enqueue time (``time.monotonic_ns``), tensor weak references
-  (resolved to shapes/dtypes by the watchdog's periodic pass or at dump time;
-  a tensor freed before that has an unknown shape, which the analysis treats
-  as matching anything), start and end times (set by the CPU comm thread; 0 =
-  not yet), state, the completion event of GPU work (what the watchdog
-  polls), and the error text.
+The ring (:mod:`streamcoll.core.recorder`) is written by index on every
+collective: the synchronous launch path reuses the
+:class:`~streamcoll.core.recorder.FlightEntry` in ``ring[seq & mask]`` and
+stores three fields (sequence number, op, p2p count): about 0.1 us. A
+synchronous entry's state is derived
+(:attr:`~streamcoll.core.recorder.FlightRecorder.done`); an asynchronous one
+also carries times, tensor weak references, its state, the GPU completion
+event and the error. The analysis aligns collectives across ranks by their
+p2p counts and takes an unknown shape as matching anything.
 
 Settings: ``STREAMCOLL_FLIGHT_SIZE`` (entries per communicator, rounded up to
-a power of two; default 1024; the minimum, 1, keeps only the latest operation,
-which is what the watchdog needs), ``STREAMCOLL_FLIGHT_DIR``
-(where dumps go; default: a private directory of this user,
-``$XDG_RUNTIME_DIR/streamcoll-flight`` or ``<tmp>/streamcoll-flight-<uid>``,
-see :func:`streamcoll.core.recorder.open_dump_dir`).
+a power of two; default 1024), ``STREAMCOLL_FLIGHT_DIR`` (where dumps go;
+default: a private directory of this user, see
+:func:`streamcoll.core.recorder.open_dump_dir`).
+
+What each entry holds, and what recording costs: docs/design.md, section
+'The flight recorder's ring'.
 """
 from __future__ import annotations
 

@@ -1,88 +1,28 @@
 """libfabric's shared-memory regions in ``/dev/shm``: this process's are
 removed on every way out, stale ones at the first init.
 
-What the files are (libfabric's ``shm`` provider, which oneCCL uses on one
-host: ``FI_PROVIDER=shm``, ``CCL_ATL_SHM=1``; read in ofiwg/libfabric v1.17.0,
-Debian's ``libfabric1``, and the same through v2.5, the ``mpich`` wheel's):
-each endpoint's region is a POSIX shared-memory object made by
-``smr_create`` (``prov/util/src/util_shm.c``) with
-``shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600)``, ``ftruncate`` to its
-size (rounded up to a power of two: 64 MB here, about 22 MB resident after a
-few collectives), ``mmap(MAP_SHARED)`` and ``close``. The name is
-``<pid>:<uid>:<ep_idx>`` (``smr_endpoint_name`` in ``prov/shm/src/smr_ep.c``:
-the ``fi_shm://<getpid()>`` address ``smr_resolve_addr`` gives, the user id
-and a process-wide endpoint counter; the ``fi_shm://`` prefix is dropped by
-``smr_no_prefix``), so ``/dev/shm/<pid>:0:0`` for root's first endpoint;
-libfabric 1.10-1.13 wrote ``<pid>:<uid>:<dom>:<ep>``. Peers map a region by
-that name (``smr_map_to_region``: ``shm_open(name, O_RDWR)``, ``mmap``,
-``close``). ``smr_free`` at endpoint close (``onecclCommDestroy``) unlinks it;
-nothing else does, except libfabric's own SIGINT/SIGTERM/SIGSEGV/SIGBUS
-handler (``smr_signal.h``), which streamcoll replaces for SIGINT and SIGTERM
-by Python's (:mod:`streamcoll.diagnostics.signals`; SIGHUP's default kill gets the same
-stand-in as SIGTERM's). So a rank that is SIGKILLed, SIGTERMed where
-SIGTERM keeps the kernel's default (no signal watcher: see that module),
-ended by the watchdog (``os._exit``) or whose exit skips the native
-teardown (a stuck call) leaves its region; and a later process that gets
-the same pid fails ``fi_enable`` with ``-EBUSY`` ("failed to initialize
-ATL"): ``smr_retry_map`` finds the old region, reads its ``pid``, sees that
-pid alive (itself) and refuses.
+libfabric's ``shm`` provider (oneCCL on one host) makes a region per
+endpoint, ``/dev/shm/<pid>:<uid>:<ep_idx>``, unlinked only at endpoint close
+(``onecclCommDestroy``): a rank killed, ended by the watchdog or whose exit
+skips the native teardown leaves its region, and a later process that gets
+the same pid fails its init ("failed to initialize ATL"). Unlinking is safe:
+a process that has the region mapped keeps it.
 
-Why removing them is safe: ``shm_unlink`` removes the name only. A process
-that has the region mapped keeps it (the memory is freed when the last
-mapping goes), so unlinking this process's own regions on the way out
-changes nothing for peers that already mapped them; only a peer still to
-map it could not, and that peer's collective with a process that is ending
-fails anyway.
-
-Two jobs here:
-
-- :func:`remove_own`: this process's regions, found exactly in
-  ``/proc/self/maps`` (``/dev/shm/<this pid>:...``, the device and inode
-  still the ones the path names), are unlinked on every way out: at
-  interpreter exit (``atexit``, registered before the first init: a live
-  communicator, an exception after init, a normal exit whose native teardown
-  is skipped), in the handler that SIGTERM and SIGHUP (or a SIGINT whose
-  disposition was the default) get instead of the default
-  (:func:`disposition`, from :mod:`streamcoll.diagnostics.signals`), before the signal
-  watcher ends the process by a signal whose handler could not run (the main
-  thread in a native call), and before the watchdog's ``os._exit``. A
-  normal ``destroy()`` leaves nothing to remove.
+- :func:`remove_own`: this process's regions (``/proc/self/maps``) are
+  unlinked on every way out: ``atexit``, :func:`disposition` (SIGTERM's and
+  SIGHUP's stand-in, :mod:`streamcoll.diagnostics.signals`), before the
+  signal watcher or the watchdog ends the process.
 - :func:`sweep`, before oneCCL's first init in a process
-  (:func:`before_first_init`): a region is removed when it is this user's, a
-  plain file named like a region in the ``/dev/shm`` this process sees, and
-  **no process on the machine has it open or mapped**. That last fact is
-  asked of the kernel, not derived from the pid in the name: a write lease
-  (``fcntl(F_SETLEASE, F_WRLCK)``) is granted only while no other open file
-  refers to the file, and a ``MAP_SHARED`` mapping keeps its file open after
-  ``close`` (libfabric's owner maps its region for the endpoint's whole life,
-  from ``shm_open`` to ``smr_free``, and so do its peers). This holds across
-  PID namespaces: where containers share ``/dev/shm`` but not PID
-  namespaces, the pid in a name says nothing here (the topology's identity,
-  :func:`streamcoll.startup.hosts.host_identity`, tells such ranks apart, but only
-  the ranks of this job, not other jobs' containers), while the kernel's
-  open count covers every process. The pid only explains the log line (not
-  running here, or running here since after the region was made: reused).
-  The lease is held while unlinking. Sweepers take turns: each sweep holds
-  an exclusive ``flock`` on the directory it sweeps (bounded wait), because
-  an ``O_NONBLOCK`` open of a leased file does not just fail with
-  ``EWOULDBLOCK``: it breaks the lease first (``__break_lease`` notifies the
-  holder before it checks ``O_NONBLOCK``), and the holder gets SIGIO, whose
-  default action ends the process (two ranks restarting after a crash, each
-  sweeping before its first init: one killed in most rounds). The lock is
-  the directory itself (no file left behind; it covers every PID namespace
-  and container that shares the mount). Anything else that opens a region
-  while it is leased (an older streamcoll's sweep, a ``cat``) is covered
-  too: the lease's break notice is ``SIGURG`` (``F_SETSIG``), whose default
-  action is to ignore it; the open then waits (or gets ``EWOULDBLOCK``)
-  until the lease is released, microseconds later. Regions a live peer
-  still maps (a survivor of a failed job) stay until it ends, which removes
-  those of its peers that have ended (:func:`remove_own`); the next init
-  removes the rest. libfabric's short-lived ``<name>_<n>`` files (its mmap
-  protocol for messages between processes without cross-memory attach) may
-  be a message in flight that nobody has open: they are never touched.
+  (:func:`before_first_init`): a region is stale, and removed, when it is
+  this user's, a plain file named like a region in the ``/dev/shm`` this
+  process sees, and **no process on the machine has it open or mapped**
+  (asked of the kernel with a write lease, held while unlinking; sweepers
+  take turns under an exclusive ``flock`` on the directory). libfabric's
+  short-lived ``<name>_<n>`` files are never touched.
 
-Each removal is logged at INFO (``streamcoll.shm`` logger) with the memory
-it frees.
+Each removal is logged at INFO (``streamcoll.shm``) with the memory it frees.
+What the files are (read in libfabric's source), why a lease and a lock:
+docs/design.md, section 'libfabric's shared-memory regions'.
 """
 from __future__ import annotations
 

@@ -2,101 +2,25 @@
 oneCCL's, and a terminating signal ends the process wherever the main thread
 stands.
 
-Measured (oneCCL 2022.2, CPU): loading the library (the bootstrap does it
-before the process's first ``onecclGetUniqueId`` or ``onecclCommInitRank``)
-installs native handlers for SIGINT, SIGTERM, SIGSEGV, SIGBUS, SIGILL and
-SIGABRT (``SigCgt`` in ``/proc/<pid>/status``). For SIGINT and SIGTERM its
-handler ends the process with exit status 1 and no message: no
-``KeyboardInterrupt``, no ``finally``, no ``atexit``, and a launcher cannot
-tell a Ctrl-C from a crash. For the
-fatal signals it prints ``<prog>:<pid> terminated with signal N at PC=...``
-and a native backtrace, which is worth keeping for a crash inside the
-library.
+Loading oneCCL installs native SIGINT and SIGTERM handlers that exit with
+status 1 and no message (no ``KeyboardInterrupt``, no ``finally``). So
+:func:`native_entry` (around the load, then around each native call that may
+wait long for the peers) puts back Python's handlers, gives a default SIGTERM
+and SIGHUP a stand-in (:func:`streamcoll.diagnostics.shm_regions.disposition`:
+remove this process's ``/dev/shm`` regions, then die of the signal), keeps
+oneCCL's handlers for the fatal signals (a native backtrace) and re-enables
+:mod:`faulthandler` if the program had it on.
 
-So :func:`native_entry` (around the load, then around each of those calls,
-which may wait long for the peers: a rank's first init) puts back, after
-it, the handlers Python had for SIGINT and SIGTERM before it (Ctrl-C raises
-``KeyboardInterrupt``; a default SIGTERM becomes
-:func:`streamcoll.diagnostics.shm_regions.disposition`'s stand-in, which removes this
-process's ``/dev/shm`` regions, then dies of the signal), gives a default
-SIGHUP the same stand-in (oneCCL leaves SIGHUP alone, but its default kill
-would leave the regions behind just the same: a closed terminal or ssh
-session, a launcher that hangs up), keeps oneCCL's handlers for the fatal
-signals, and re-enables :mod:`faulthandler` if the program had it on (it
-chains to the previous handler, so a crash prints the Python stacks, then
-oneCCL's backtrace). Only the main thread can install Python signal
-handlers; from another thread they stay oneCCL's (logged).
-
-A Python-level handler, the stand-in included, runs only when the main
-thread is back in the interpreter. A main thread inside a native call that
-retries on EINTR (a gloo barrier, a TCPStore wait or connect, a oneCCL
-collective on a dead peer) would hold the process alive until the call
-returns: gloo's own timeout is 30 min, and launchers (torchrun's agent,
-SLURM, Kubernetes) send SIGTERM and expect the process to end. Without
-streamcoll the kernel would have ended it at once. So the interrupt watcher
-(:func:`watch_interrupts`, a thread) sees each signal through
-:func:`signal.set_wakeup_fd` (Python's C handler writes the signal number
-there; no cost on the call path) and acts by whose handler the signal has:
-
-- **the program's** (any handler it installed for SIGINT, SIGTERM or
-  SIGHUP: a checkpoint-on-preemption handler under SLURM or Kubernetes):
-  nothing, as before; when the main thread is inside streamcoll's call, a
-  warning that the handler runs when the call returns (a call stuck for
-  good ends by the watchdog at the communicator's timeout).
-- **nobody's** (SIGINT with Python's ``default_int_handler``; SIGTERM or
-  SIGHUP with the stand-in): the watcher asks whether the main thread gets
-  back to the interpreter within a grace (:data:`TERMINATE_GRACE_S` for
-  SIGTERM and SIGHUP, whose default dies anyway, so waiting only spares the
-  message; :data:`INTERRUPT_GRACE_S` for SIGINT, time for a call about to
-  return, after which Python raises ``KeyboardInterrupt`` with its
-  ``finally`` and ``atexit``). Back means: the stand-in started, the main
-  thread's frame moved, or a probe queued with ``Py_AddPendingCall`` ran
-  (CPython runs pending calls in the main thread at the same eval-breaker
-  check as signal handlers, after them); each look comes after a pause
-  that gives the main thread the GIL (a main thread running Python holds
-  it, and runs the handler at its next check). If not, or if a second
-  terminating signal arrives first (at least :data:`_SECOND_AFTER_S` after
-  the first: two sent at once, a terminal's Ctrl-C to the process group and
-  torchrun's forwarded one, are two KeyboardInterrupts for a main thread in
-  Python), it removes this process's regions, logs where the main thread
-  stands (inside streamcoll's call: the call, and the peers as the likely
-  cause; anywhere else: the file, line and function, blaming nobody) and
-  ends the process **by the signal itself**: the C disposition is reset
-  to the default through ``signal()`` (the C call, reached with cffi's ABI
-  mode: Python's ``signal.signal`` works only in the main thread), then the
-  signal is sent to the watcher's own thread.
-  A parent sees what it would without streamcoll: killed by SIGTERM (-15
-  in :mod:`subprocess`, 143 in a shell), by SIGINT (Python's own exit on an
-  uncaught ``KeyboardInterrupt``), by SIGHUP, wherever the main thread was.
-  One exception: a single SIGINT while the main thread is in someone
-  else's native call (a gloo barrier, a long torch op) only warns: that
-  call may still return, and a program may catch the KeyboardInterrupt then
-  (a REPL, a notebook, a loop that saves and goes on); a second SIGINT
-  while the main thread is still there ends the process. Inside
-  streamcoll's own call (a collective that cannot be interrupted) one
-  SIGINT ends it after the grace, as before. A launcher's SIGTERM always
-  ends it.
-  No ``finally`` or ``atexit`` runs: the teardown would crash under the
-  stuck call. The end is armed before the message (:data:`END_BOUND_S`):
-  a write to a full stderr pipe, or a logging lock the stuck main thread
-  holds, cannot keep the process alive; so is it when the stand-in runs
-  (its region removal may log to that stderr).
-
-Where the watcher cannot run, the stand-ins are not installed: a default
-SIGTERM or SIGHUP stays the kernel's, which ends the process at once
-wherever the main thread stands (the regions are left for the next init's
-sweep, :func:`streamcoll.diagnostics.shm_regions.sweep`). That is the case of a program
-whose event loop owns the wakeup fd at init (asyncio's
-``add_signal_handler``; :func:`asyncio.run` alone does not take it): the
-loop keeps it and the watcher stays off. A loop that takes the fd after
-init takes it from the watcher, which then sees no signal: SIGTERM's
-stand-in runs when the main thread returns to the interpreter; and once
-such a loop is closed (it sets the fd to -1), the watcher stays blind: a
-SIGTERM while the main thread is in a native call then waits for that call
-to return (a known limit: ``tests/test_signals_review.py``, a strict
-xfail). A forked child (a
-DataLoader worker) has no watcher thread: it gets the plain defaults back
-(:func:`_after_fork_in_child`).
+A Python-level handler runs only when the main thread is back in the
+interpreter. For a main thread inside a native call, the interrupt watcher
+(:func:`watch_interrupts`, a thread fed by :func:`signal.set_wakeup_fd`)
+leaves a handler of the program's to run; with nobody's, past a grace
+(:data:`TERMINATE_GRACE_S`, :data:`INTERRUPT_GRACE_S`) or at a second signal,
+it removes the regions, logs where the main thread stands and ends the
+process by the signal itself. Where it cannot run (an event loop owns the
+wakeup fd; a forked child: :func:`_after_fork_in_child`) the kernel's
+defaults stay. What was measured, the watcher's rules and its known limits:
+docs/design.md, section 'Signals after init()'.
 """
 from __future__ import annotations
 

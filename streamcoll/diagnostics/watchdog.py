@@ -1,50 +1,28 @@
 """The watchdog: no collective hangs silently.
 
-Design (the CPU case decides it). A synchronous CPU collective runs inline in
-the C call on the caller's thread: it cannot be interrupted from Python, and
-oneCCL 2022.2 has no abort (``onecclCommAbort`` is declared "not
-implemented"). Measured here: when a peer is SIGKILLed, the surviving ranks
-stay inside ``onecclAllReduce`` for good. Moving every call to a comm thread
-so that a waiter could time out would cost a thread hand-off on every call
-(tens of microseconds, against a ~10 us collective) and still leave the stuck
-thread and the communicator unusable. So streamcoll keeps the inline fast path
-and, like ProcessGroupNCCL's default error handling
+A synchronous CPU collective runs inline in the C call on the caller's
+thread: it cannot be interrupted from Python, and oneCCL 2022.2 has no
+abort. So, like ProcessGroupNCCL's default error handling
 (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), one watchdog thread per process ends
 the process with a clear message when an operation outlives its
 communicator's timeout:
 
-- Every operation is in the flight recorder (:mod:`streamcoll.core.recorder`); the
-  watchdog looks at each live communicator every ``min(0.5 s, timeout / 10)``.
-  A hang is: a synchronous call that has not returned (the recorder keeps no
-  start time for those, to stay cheap: its age counts from the pass that
-  first saw it running, so detection comes up to one interval late); async
-  work running on the CPU comm thread (its start time is recorded); GPU async
-  work whose completion event has not fired (counted from its launch). A
-  synchronous call is given ``timeout``, async work ``timeout + grace``
-  (grace: 1 s, so that a ``Work.wait`` timing out at the same moment raises
-  first). The interval is ``min(0.5 s, timeout / 10)``, so a stuck
-  synchronous call (a dead peer) ends the process within the timeout plus
-  about 1 s (measured across two simulated hosts, 2 x 1 and 2 x 2, 5 s timeout:
-  5.1-5.4 s after the kill; 6.6 s with the earlier 1 s grace and 1 s interval).
-- On a hang it hands the communicator to :mod:`streamcoll.diagnostics.failure`
-  (mark failed, dump, report, abort, and by default end the process).
-- Each pass also starts the small CPU async calls queued without waking
-  their comm thread (:mod:`streamcoll.core.work`, "When a small async call
-  starts") that nothing in the process has touched since: a caller blocked
-  on something else between issuing and waiting (a store, a gloo group)
-  still sees its call go out, within a pass.
+- it looks at each live communicator's flight recorder
+  (:mod:`streamcoll.core.recorder`) every ``min(0.5 s, timeout / 10)``; a
+  synchronous call is given ``timeout``, async work ``timeout + grace``;
+- on a hang it hands the communicator to :mod:`streamcoll.diagnostics.failure`
+  (mark failed, dump, report, abort, and by default end the process);
+- each pass also starts the small CPU async calls queued quietly
+  (:mod:`streamcoll.core.work`) that nothing has touched since.
 
-Init is watched the same way through :func:`guard` (a blocking
-``onecclCommInitRank`` whose peers never come would otherwise wait forever).
-
-NCCL communicators created non-blocking (``STREAMCOLL_NCCL_NONBLOCKING=1``)
-are polled by NCCL's own code instead (:func:`streamcoll.core.backends.nccl_wait_ready`):
-an init whose peers never come raises :class:`~streamcoll.CollectiveTimeout`.
-
-The communicator never imports this module: importing it attaches
-:func:`register`, :func:`handle_timeout` and :func:`skip_native_teardown` to
-the slots of :mod:`streamcoll.core.hooks`, and the package's ``__init__`` imports
-it.
+Init is watched the same way through :func:`guard`; non-blocking NCCL
+communicators (``STREAMCOLL_NCCL_NONBLOCKING=1``) are polled by
+:func:`streamcoll.core.backends.nccl_wait_ready` instead. The communicator
+never imports this module: importing it fills the slots of
+:mod:`streamcoll.core.hooks` (:func:`register`, :func:`handle_timeout`,
+:func:`skip_native_teardown`), and the package's ``__init__`` imports it.
+Why a watchdog, what counts as a hang, and the timings: docs/design.md,
+section 'The watchdog'.
 """
 from __future__ import annotations
 

@@ -4,41 +4,24 @@ Why a second entry point: Dynamo cannot trace into cffi calls, so without
 these a collective inside a compiled function is a graph break. Each op here
 is a thin shell whose implementation calls the very Communicator method eager
 code calls (one code path for the launch); its fake implementation describes
-the result's shape and dtype, so tracing needs no communication.
+the result's shape and dtype, so tracing needs no communication. The
+module-level functions switch to these ops only while compiling
+(``torch.compiler.is_compiling()``): eager calls never pass through the
+dispatcher, which would add several microseconds to every collective.
 
-The module-level functions (``streamcoll.all_reduce`` and friends) switch to
-these ops only while compiling (``torch.compiler.is_compiling()``); eager
-calls never pass through the dispatcher, which would add several
-microseconds to every collective.
-
-What reaches the graph are integers and strings, never Python objects:
-
-- a communicator by its ``id`` (:func:`comm_id`; id 0 is "the
-  default communicator at run time"),
-- a reduction as ``(op name, factor)``, the factor a 0-d CPU tensor (a
-  graph input: see :func:`_op_parts`),
-- a stream by its index in a lookup table (:func:`stream_index`), and an
-  asynchronous collective's handle by an event slot (:func:`new_event_slot`):
-  the async op stores its :class:`~streamcoll.Work` in the slot, the join op
-  takes it out and waits on it.
-
-``async_op=True`` is modelled as explicit ops, in the spirit of PyTorch's
-user-stream fork/join ops: ``fork_`` (current stream -> comm stream), the
-collective with an event slot, and ``join_`` (comm stream -> current stream;
-what ``wait()`` becomes). fork and join are pass-through ops that declare a
-mutation of every tensor the collective touches, so functionalization threads
-those tensors through them and no pre/post-grad pass can move a read or write
-of them across the boundary (nor free or reuse their memory while the
-collective may still use it). At run time fork checks its table entries (the
-Communicator's async launch makes the comm stream wait for the current one)
-and join waits on the Work; where functionalization handed join a copy of a
-buffer, join copies the finished result into it after the wait.
+What reaches the graph are integers and strings, never Python objects: a
+communicator by its ``id`` (:func:`comm_id`), a reduction as ``(op name,
+factor)`` (:func:`_op_parts`), a stream by its index (:func:`stream_index`),
+an asynchronous collective's Work by an event slot (:func:`new_event_slot`).
+``async_op=True`` is modelled as explicit ops: ``fork_`` (current stream ->
+comm stream), the collective with an event slot, and ``join_`` (what
+``wait()`` becomes).
 
 Limits: launch and ``wait()`` of one async collective belong in the same
-compiled region (a traced Work that escapes the region can still be waited on
-eagerly); one compiled function must not run concurrently in two threads (its
-event slots are shared); ``stream=`` is not supported inside a compiled
-region.
+compiled region; one compiled function must not run concurrently in two
+threads; ``stream=`` is not supported inside a compiled region. How fork and
+join keep functionalization from moving reads and writes, and each limit's
+reason: docs/design.md, section 'torch.compile's custom ops'.
 """
 # No ``from __future__ import annotations`` here: torch.library.custom_op
 # infers each op's schema from its annotations, and torch 2.4 rejects string

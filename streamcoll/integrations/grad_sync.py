@@ -10,41 +10,19 @@ wants the overlap registers this on its parameters instead::
         sync.finish()                     # wait, copy averaged grads into .grad
         opt.step(); opt.zero_grad()
 
-How, in DDP's way:
-
-- A post-accumulate-grad hook on each parameter copies its gradient into a
-  flat bucket buffer as soon as it is final. Buckets hold parameters of one
-  dtype and device, up to ``bucket_mb``, in the order gradients become ready:
-  first reverse registration order (backward usually runs the model
-  backwards); after the first step, the order rank 0 actually observed
-  (broadcast, so all ranks agree) -- once, like DDP's bucket rebuild.
-- A full bucket is all-reduced with ``async_op=True`` right away, while
-  backward continues. Buckets launch strictly in index order (a full bucket
-  waits for its predecessors), so every rank issues the same collectives in
-  the same order even if its gradients become ready in another order.
-- ``finish()`` launches what is left, waits for every bucket and copies the
-  results back into ``.grad``. Bucket buffers are allocated once (again after
-  the one rebuild) and reused every step.
-
-Which gradients a synchronised step reduces (DDP's rule with
-``find_unused_parameters=True``, so replicas never diverge): every trainable
-parameter's *standing* ``.grad``, whatever it holds: the gradient of this
-backward plus what was accumulated into ``.grad`` since (in ``no_sync()``
-micro-batches, or over steps without ``zero_grad``). A parameter whose hook
-did not fire in the synced backward contributes its ``.grad`` as it stands
-(zeros where it is None), so every rank still launches the same buckets.
-A parameter counts as *used* on a rank if a gradient was produced for it
-since the last ``finish()``, inside ``no_sync()`` included. Each bucket
-carries one extra element per parameter, 1 where this rank used it: after
-the reduction, a parameter no rank used keeps its ``.grad`` untouched (None
-stays None); every other one gets the reduced value on every rank. (The
-earlier rule, "only gradients whose hook fired in the synced backward",
-left a parameter used only in a ``no_sync`` micro-batch with its local,
-never-averaged gradient: replicas diverged silently.)
+How, in DDP's way: a post-accumulate-grad hook copies each final gradient
+into a flat bucket (one dtype and device, up to ``bucket_mb``); a full bucket
+is all-reduced with ``async_op=True`` at once, buckets strictly in index
+order; ``finish()`` launches the rest, waits and copies the results into
+``.grad``. A synchronised step reduces every trainable parameter's standing
+``.grad`` (DDP's rule with ``find_unused_parameters=True``); a parameter no
+rank used keeps its ``.grad`` untouched.
 
 Gradient accumulation: backward passes inside ``with sync.no_sync():`` only
 accumulate into ``.grad``; the next backward outside it reduces the sum.
 Call ``finish()`` exactly once per synchronised step, on every rank.
+The bucket order, which gradients a step reduces and why: docs/design.md,
+section 'GradientSync'.
 """
 from __future__ import annotations
 

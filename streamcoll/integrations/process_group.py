@@ -669,10 +669,9 @@ def create_process_group(store: Any, rank: int, world_size: int, timeout: Option
     For the world group (the one ``init_process_group`` makes: torch has no
     default group yet) the cpu communicator is made here, on every rank
     together, before any sub-group can make one: oneCCL's shared-memory
-    transport is set up by a process's first communicator and serves later
-    communicators only among that first one's members (a 2x2
-    mesh whose first collective went through a mesh dimension hung in the
-    second dimension's communicator creation). ``STREAMCOLL_EAGER_INIT=0``
+    transport serves later communicators only among its first one's members
+    (docs/design.md, section 'A process's first oneCCL communicator spans
+    the world'). ``STREAMCOLL_EAGER_INIT=0``
     makes it lazy (first cpu collective), as every other group's is, and so
     does ``auto`` where CUDA is available; a process whose first oneCCL
     communicator is not the whole world then runs oneCCL over TCP

@@ -5,13 +5,10 @@ communicator the module-level functions use.
 Rendezvous is torch.distributed's (``env://``: TCPStore at MASTER_ADDR,
 MASTER_PORT, or the agent's store under torchrun); after it, NCCL's or
 oneCCL's own bootstrap and networking take over. What streamcoll adds over
-the store is :func:`rendezvous`: the ranks' facts meet at rank 0, which
-publishes the topology and the unique id in one key, a constant number of
-requests per rank (torch's own pattern for a NCCL group is one request per
-rank; NCCL's bootstrap is a ring among the ranks). Every wait passes its own
-timeout: the caller's store keeps its own. The store side (the default
-store, the rendezvous protocol) is :mod:`streamcoll.startup.rendezvous`'s; this
-module checks what the ranks met on, sets the environment around the
+the store is :func:`rendezvous`, where the ranks' facts meet at rank 0 (its
+store requests and their count: :mod:`streamcoll.startup.rendezvous`). The
+store side (the default store, the rendezvous protocol) is that module's;
+this module checks what the ranks met on, sets the environment around the
 native calls and makes the communicator.
 """
 from __future__ import annotations
@@ -304,12 +301,12 @@ def _agree_mpi_transport(pstore: Any, rank: int, world_size: int, cname: str) ->
 
 def _check_first_transport(topo: "topology.Topology", cname: str) -> None:
     """oneCCL makes its transport with a process's first communicator (and
-    again with the next one after the last was destroyed), its peer map sized
-    for that communicator, and its shared-memory path misroutes later peers
-    from outside it. Where that communicator is not the launcher's
-    whole world, :func:`env.agreed_defaults` picks TCP; here what it cannot
-    fix: shared memory in effect since an earlier init (oneCCL reads its
-    variables once), or set by the user."""
+    again with the next one after the last was destroyed), for that
+    communicator's members only (docs/design.md, section 'A process's first
+    oneCCL communicator spans the world'). Where that communicator is not the
+    launcher's whole world, :func:`env.agreed_defaults` picks TCP; here what
+    it cannot fix: shared memory in effect since an earlier init (oneCCL
+    reads its variables once), or set by the user."""
     if topo.spans_job:
         return
     from ..core.communicator import live_count

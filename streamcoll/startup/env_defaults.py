@@ -1,129 +1,28 @@
 """Environment defaults for the native libraries: which values, why, and how
 they reach the library without posing as the user's.
 
-**Two kinds of variable** (:data:`AGREEMENT` says which each is). Some must
-be equal on every rank: oneCCL's algorithm, worker offload, yield, ATL shm
-and transport. Ranks that run different all-reduce algorithms exchange
-mismatched messages (measured: 2 ranks, one pinned to a core, rank 0 chose
-recursive doubling and rank 1 nreduce; rank 0's sums were wrong by up to
-1e28, then rank 1 aborted with "SEND entry failed"); with ``CCL_ATL_SHM`` on
-one host of two and not the other, the other's init fails ("pmrt_kvs_get:
-decode failed"). So these are decided by one pure function of every rank's
-facts (:func:`agree`, run in :func:`~streamcoll.startup.topology.compute` on rank 0), never
-from a measurement of the calling rank, and every rank computes the same
-value. A value the user set, or one in effect since the process's first
-oneCCL init (oneCCL reads its variables once per process), travels in the
-rank's facts (:func:`bound`); where the values in effect would differ
-between ranks, every rank refuses before the native init, naming the
-variable, the ranks and their values. The others (local rank, interfaces,
-log level) belong to the rank or its host and may differ.
+Two kinds of variable (:data:`AGREEMENT` says which each is). Some must be
+equal on every rank (oneCCL's algorithm, worker offload, yield, ATL shm and
+transport: ranks that differ return wrong sums or fail their init); they are
+decided by one pure function of every rank's facts (:func:`agree`, run in
+:func:`~streamcoll.startup.topology.compute` on rank 0), never from a
+measurement of the calling rank. A value the user set, or one in effect
+since the process's first oneCCL init, travels in the rank's facts
+(:func:`bound`); where the values in effect would differ, every rank refuses
+before the native init. The others (local rank, interfaces, log level)
+belong to the rank or its host and may differ. streamcoll's own settings
+that change which C call a rank makes or which checks it runs (:data:`OWN`,
+:func:`own`) are agreed in the same exchange; every communicator runs with
+the agreed values (a split or a sub-group takes its parent's).
 
-**streamcoll's own settings** (:data:`OWN`) are agreed the same way: the
-variables that change which C call a rank makes (``STREAMCOLL_WIDEN_BF16``:
-at two ranks a bf16 sum is an all-gather, else an all-reduce) or which
-checks it runs (``STREAMCOLL_SIGNATURE_CHECKS`` and its bound,
-``STREAMCOLL_DEBUG_CHECKS`` / ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: store keys
-every rank writes and waits for). Measured before they were: one rank with
-``STREAMCOLL_WIDEN_BF16=0`` was right by chance at small sizes and stuck
-with its peer at 100,000 elements; one rank without the first-call checks
-had its peer blame it for never reaching a collective it did reach. Each
-rank reports its effective value in its facts (:func:`own`), rank 0's
-:func:`agree` compares them with the native ones (no request more), and
-every communicator runs with the agreed values (a split or a sub-group
-derived from a parent takes the parent's), never with what its process's
-environment says later. The rest of streamcoll's variables change only
-what a rank does locally (timeouts, the watchdog's policy, when a small
-async call starts, how tensors are kept alive, recording, library paths)
-and may differ; ``docs/backends-and-defaults.md``'s table says which.
+Applied, not left behind (:func:`applied`): values are set only around the
+native calls that read them (the unique id and the communicator's init),
+only where the user set none, and removed after; :data:`APPLIED` records
+them (``python -m streamcoll info``); ``STREAMCOLL_NO_ENV_DEFAULTS=1`` turns
+them off. The values: :func:`agreed_defaults`, :func:`interface_defaults`.
 
-**Applied, not left behind** (:func:`applied`): streamcoll sets its values
-only around the native calls that read them (the unique id and the
-communicator's init: oneCCL reads its variables at its global init inside
-the process's first ``onecclGetUniqueId``/``onecclCommInitRank``, NCCL its
-own in ``ncclGetUniqueId``/``ncclCommInitRank``) and removes them after, so
-child processes do not inherit them and a later communicator does not take
-them for the user's. :data:`APPLIED` records what was set (``python -m
-streamcoll info`` prints it). Only variables the user has not set are
-touched; ``STREAMCOLL_NO_ENV_DEFAULTS=1`` turns the defaults off.
-
-The values, oneCCL, all ranks on one host (measured, 2 ranks, 2-core
-machine, raw C calls): with oneCCL's defaults a 1-element allreduce took 4.3
-ms and a 4 MB one 14-27 ms; with the values below 9 us and 0.42 ms.
-
-- ``CCL_WORKER_OFFLOAD=0``: run collectives on the calling thread instead of
-  handing them to oneCCL's worker thread (the hand-off dominates small calls).
-  That thread then spins until the peers arrive, which is right only while
-  every rank has a core of its own.
-- Oversubscribed (on some machine, the ranks' CPU sets cannot give each rank
-  a core of its own, :func:`streamcoll.startup.topology.core_each`):
-  ``CCL_WORKER_OFFLOAD=1`` and ``CCL_YIELD=sched_yield`` instead, on every
-  rank, so a waiting rank gives its core to the rank it waits for. Measured,
-  3 ranks on 2 cores (streamcoll, all_reduce): 4 B 4.8 ms -> 0.18 ms, 1 MB
-  busbw 0.17 -> 1.2 GB/s; spinning inline, gloo was 5x faster than oneCCL
-  there. With 2 ranks on 2 cores the inline spin stays far ahead (4 B 13 us
-  vs 80 us).
-- ``CCL_ATL_SHM=1`` and ``FI_PROVIDER=shm``: shared memory transport; only
-  valid when every rank is on one host, so applied only then, and only to a
-  communicator over the launcher's whole world or a process whose oneCCL
-  already runs: oneCCL's transport is made by a process's first
-  communicator, with a peer map of that communicator's size, and its shm
-  path misroutes later peers from outside it (a 2x2 mesh's first
-  sub-group communicators made the second dimension's hang). A first
-  communicator short of the world gets ``CCL_ATL_SHM=0 FI_PROVIDER=tcp``
-  (across hosts ``CCL_ATL_SHM=0``).
-- ``CCL_KVS_IFACE=lo``: the key-value store of the unique id listens on
-  loopback (single host only).
-- ``CCL_LOCAL_RANK``/``CCL_LOCAL_SIZE``: the rank's place on its host
-  (oneCCL warns and probes without them).
-- ``CCL_ALLREDUCE``, chosen per message size (oneCCL's ``algo:lo-hi;...``
-  ranges, bytes): ``recursive_doubling:0-16384;nreduce:16385-max`` when the
-  ranks are a power of two with a core each, else ``nreduce``.
-  nreduce was the fastest of oneCCL's CPU algorithms at every size on one
-  2-rank machine (4 B 6.5 us, 1 MB 130 us, 64 MB 8.5 GB/s busbw vs 10.1 us,
-  167 us, 4.7 GB/s for oneCCL's own choice) and the best or level at 1 MB and
-  up on another (64 MB: nreduce 20.0 ms, oneCCL's choice 24.8, ring 24.2;
-  medians of 5 interleaved rounds); on that second machine recursive doubling
-  beat it from 16 B to 16 KB by 3-5 us (16 B 13.7 vs 18.5 us, 16 KB 23.9 vs
-  27.1; 8 rounds) and tied at 4 B. With 3 ranks on 2 cores (yielding, see
-  above) timings swing by a third from round to round; nreduce led below
-  1 KB, ring by up to 20% above, recursive doubling trailed: nreduce stays
-  (``benchmarks/algorithms.py``; ``docs/benchmarks.md`` has the tables).
-- ``CCL_LOG_LEVEL=error``: oneCCL's startup warnings are about the variables
-  above.
-
-Several hosts (which ranks share a host and which interface reaches the
-rendezvous address come from :mod:`streamcoll.startup.topology`):
-
-- per rank, ``CCL_KVS_IFACE``, ``CCL_MNIC_NAME`` and
-  ``NCCL_SOCKET_IFNAME=<iface>``: the interface the kernel routes the
-  rendezvous address through (:func:`interface_defaults`). oneCCL's own
-  choice is the alphabetically first interface, loopback included, which
-  hangs when the right one sorts after ``lo``. No ``CCL_MNIC_NAME`` where the
-  user set ``CCL_MNIC`` (oneCCL's multi-NIC selection, which one name would
-  narrow to one interface).
-- ``CCL_WORKER_OFFLOAD`` as on one host; the ranks counted are those of
-  each *machine* (same boot id: simulated hosts or containers share its
-  cores); ``CCL_ALLREDUCE`` as on one host (``nreduce`` where some machine is
-  oversubscribed).
-- Oversubscribed across hosts, ``CCL_YIELD=sleep`` instead of
-  ``sched_yield``: the bytes between hosts go through the kernel's TCP stack,
-  whose copies need the very cores the waiting ranks hold; oneCCL's ``sleep``
-  is ``nanosleep(0)``, which takes the waiting thread off the run queue for
-  the timer slack (about 50 us), where a ``sched_yield``-ing thread stays
-  runnable and gets its core straight back. Measured (
-  ``benchmarks/multihost.py``, 4 x 1 and 2 x 2 simulated hosts = 4 ranks on
-  2 cores, load 5.5-12.5): 4 B 0.74-1.5 ms against 5.4-10.1 ms with
-  ``sched_yield`` and 16 MB GB/s higher, in every pair of runs (16 MB busbw
-  0.65-0.97x gloo against 0.29-0.75x). ``nreduce`` (one exchange per phase
-  instead of ring's n - 1 rounds of waiting) on top: 16 MB 0.68-1.41x gloo,
-  its GB/s above oneCCL's own choice in 7 pairs of 7, 4 B within the noise. Worker count 2, spin
-  count 10, ``CCL_WORKER_WAIT=1``, inline spinning, ring chunking and
-  ``FI_PROVIDER=tcp`` or ``tcp;ofi_rxm`` beat none of these in every run.
-- ``CCL_ATL_SHM=1`` on every rank (shared memory between the ranks of one
-  host, the network between hosts) when some host has several ranks and no
-  two hosts share a hostname: oneCCL groups its shm peers by hostname, and
-  with a hostname shared by two hosts init hangs (measured, 2 x 2). Never
-  ``FI_PROVIDER=shm`` (shm only) there.
+Why each value, measured (one host and several): docs/design.md, section
+'Environment defaults: agreement and values'.
 """
 from __future__ import annotations
 
@@ -372,7 +271,8 @@ def interface_defaults(iface: Optional[str]) -> Dict[str, str]:
 
 def agreed_defaults(topo: "TopologyLike") -> Dict[str, str]:
     """streamcoll's value of each must-agree variable for ``topo`` (absent:
-    left unset, oneCCL's own); the why is in the module docstring. Computed
+    left unset, oneCCL's own); the why: docs/design.md, section 'Environment
+    defaults: agreement and values'. Computed
     from every rank's facts only, so it is the same on every rank."""
     over = topo.world_oversubscribed
     n = topo.world_size
@@ -386,9 +286,8 @@ def agreed_defaults(topo: "TopologyLike") -> Dict[str, str]:
         d["CCL_WORKER_OFFLOAD"] = "0"
     d["CCL_ALLREDUCE"] = POW2_ALLREDUCE if pow2 and not over else "nreduce"
     if not topo.spans_job:
-        # A process's first oneCCL communicator fixes its transport's peer map for good, sized for
-        # that communicator's members; the shm path misroutes any later peer: a first
-        # communicator that is not the launcher's whole world runs oneCCL over TCP.
+        # A first oneCCL communicator that is not the launcher's whole world runs oneCCL over TCP
+        # (why: docs/design.md, section 'A process's first oneCCL communicator spans the world').
         d["CCL_ATL_SHM"] = "0"
         if topo.single_host:
             d["FI_PROVIDER"] = "tcp"

@@ -33,8 +33,8 @@ def _ns(kind: str) -> str:
 
 
 def host_identity() -> Tuple[str, str, str]:
-    """(identity, machine, network): what and why in
-    :mod:`streamcoll.startup.topology`'s docstring; ``network`` (boot id and network
+    """(identity, machine, network): what and why in docs/design.md, section
+    'The facts each rank reports'; ``network`` (boot id and network
     namespace) is what loopback needs."""
     boot = _read("/proc/sys/kernel/random/boot_id")
     try:

@@ -3,42 +3,22 @@
 Each launcher is a small declaration (:class:`Launcher`): the variables whose
 presence says it started the process, and where it puts the rank, the world
 size, the local rank and size, and the node. The first entry whose variables
-are all set is the one (:func:`detect`), in the manner of Lightning's cluster
-environments. :func:`adopt` (called by ``init()``/``new_communicator``) then
-exports what it says as torchrun's variables (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT``), only where they are unset, as DeepSpeed's MPI discovery
-does: everything after it (the env:// rendezvous, the topology's node, the
-default device, and ``torch.distributed.init_process_group`` in the same
-process) then reads one contract.
+are all set is the one (:func:`detect`). :func:`adopt` (called by
+``init()``/``new_communicator``) then exports what it says as torchrun's
+variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), only where they are unset,
+so that everything after it reads one contract.
 
-Order, and why:
+The order: torchrun (``TORCHELASTIC_RUN_ID``); explicit ``RANK`` and
+``WORLD_SIZE``; SLURM, only for a task ``srun`` started (``SLURM_STEP_ID``);
+the MPI launchers (hydra, Open MPI, PMIx; the address through mpi4py where
+MASTER_ADDR/MASTER_PORT are unset). Never a silent 1-rank world: where a
+launcher says N ranks, every rank either joins a rendezvous of N or raises
+with what was detected. Launcher variables are parsed when used (a malformed
+value names its variable); MASTER_PORT is never parsed here.
 
-1. **torchrun** (``TORCHELASTIC_RUN_ID``): it also runs inside SLURM and MPI
-   allocations, and its agent owns the store.
-2. **explicit** ``RANK`` and ``WORLD_SIZE``: torch's env:// contract, set by
-   whoever knows better than an outer launcher (Ray Train's and Lightning's
-   workers inherit a SLURM job's variables; a user's ``mp.spawn``).
-3. **SLURM**, only for a task ``srun`` started (``SLURM_STEP_ID`` set): a
-   batch script or ``salloc`` shell has ``SLURM_PROCID=0`` and
-   ``SLURM_NTASKS`` of the allocation but is one process (measured on SLURM
-   22.05). The rendezvous host is the first of the step's compact nodelist
-   (``host[5-9,12]`` -> ``host5``), the port derived from the job and step id
-   (two steps of one job get different ports), unless MASTER_ADDR/MASTER_PORT
-   are set.
-4. **MPI launchers**: MPICH/Intel MPI's hydra (``PMI_RANK``/``PMI_SIZE``,
-   ``MPI_LOCALRANKID``/``MPI_LOCALNRANKS``), Open MPI
-   (``OMPI_COMM_WORLD_*``), PMIx (``PMIX_RANK``; no size variable: mpi4py's
-   world gives it). They give no address: MASTER_ADDR/MASTER_PORT where set,
-   else through mpi4py where importable (rank 0 broadcasts a reachable
-   address and a free port), else a :class:`RendezvousError` naming both.
-
-Never a silent 1-rank world: where a launcher says N ranks, every rank
-either joins a rendezvous of N or raises with what was detected (a
-``world_size=`` or ``WORLD_SIZE``/``RANK`` that disagrees, or no way to find
-rank 0). Launcher variables are parsed when used: a malformed value names
-its variable; MASTER_PORT is never parsed here (bootstrap reads it when the
-store is made), so a bad one that is not needed breaks nothing.
+Why this order, and each launcher's particulars: docs/design.md, section
+'Which launcher started the process'.
 """
 from __future__ import annotations
 

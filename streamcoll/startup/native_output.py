@@ -2,45 +2,24 @@
 libraries print nothing on stdout.
 
 The logger is ``logging.getLogger("streamcoll")`` (modules log to children
-such as ``streamcoll.diagnostics.watchdog``). streamcoll adds no handler: an application
-that configured logging gets the messages its way; one that did not still
-sees warnings and errors on stderr through Python's last-resort handler,
-which is what a hang report or a rendezvous progress line needs. (A
-``NullHandler`` would silence the watchdog's report in such a program.)
+such as ``streamcoll.diagnostics.watchdog``). streamcoll adds no handler: an
+application that configured logging gets the messages its way; one that did
+not still sees warnings and errors on stderr through Python's last-resort
+handler, which a hang report or a rendezvous progress line needs (a
+``NullHandler`` would silence the watchdog's report in such a program).
 
-oneCCL's own lines: streamcoll applies ``CCL_LOG_LEVEL=error``, so oneCCL
-prints only errors, on stderr. Measured (oneCCL 2022.2): the very setting
-that silences the warnings produces one line on **stdout**, ``|CCL_WARN|
-value of CCL_LOG_LEVEL changed to be error (default:warn)``, whoever set the
-variable (the user's own ``CCL_LOG_LEVEL=error`` prints it too): oneCCL
-parses its environment, warns about every variable that differs from its
-default while the level is still ``warn``, and applies the new level after.
-That happens once per process, inside the first ``onecclGetUniqueId`` (rank
-0) or ``onecclCommInitRank`` (the others); ``onecclGetVersion`` and empty
-groups do not trigger it. :func:`quiet_oneccl_startup` therefore points fd 1
-at a pipe for that first call only and forwards what arrives: that line is
-dropped (logged at debug level), any other oneCCL line goes to the logger as
-a warning, and everything else (another thread's output) to the real stdout,
-as it arrives. The records are logged only once fd 1 is stdout again (a
-handler writing to stdout would otherwise feed the pipe it filters, without
-end). A child process started during the call inherits the pipe as its
-stdout (marking it close-on-exec instead would leave such a child no stdout
-at all): the pump, with its own duplicate of stdout, keeps forwarding that
-child's output until the child closes it, so it is neither lost nor blocked;
-stdout itself is given back at once. With ``CCL_LOG_LEVEL`` set to anything but ``error`` (a user
-debugging oneCCL) nothing is captured: oneCCL's output is what they asked for.
+oneCCL's own lines: streamcoll applies ``CCL_LOG_LEVEL=error``, and that very
+setting makes oneCCL print one warning on **stdout**, once per process,
+inside its first ``onecclGetUniqueId``/``onecclCommInitRank``.
+:func:`quiet_oneccl_startup` points fd 1 at a pipe for that first call only:
+that line is dropped (logged at debug level), any other oneCCL line goes to
+the logger as a warning, everything else to the real stdout. With
+``CCL_LOG_LEVEL`` set to anything but ``error`` nothing is captured. The
+"not completed event is destroyed" error oneCCL prints for grouped
+Send/Recv is left on stderr as oneCCL prints it.
 
-The grouped Send/Recv line: each Send or Recv issued inside a oneCCL group
-prints ``|CCL_ERROR| host_event.cpp:58 ~host_event_impl: not completed event
-is destroyed`` on stderr (gather: one per peer; all_to_all at 2 ranks: two per
-call and rank) although the transfer completed and the results are right
-(the tests check them). Measured at 2 ranks: ``CCL_WORKER_OFFLOAD=1``,
-``CCL_WORKER_WAIT=0``, ``CCL_ATL_SYNC_COLL=1`` and ``FI_PROVIDER=tcp`` keep
-it; ``CCL_ATL_SHM=0`` with the shm provider fails init; an ungrouped
-Send/Recv prints nothing. It is printed at error level, the level streamcoll
-keeps, and filtering it would mean routing the process's stderr through a
-pipe for good (lost output when a process is killed, a thread between every
-Python traceback and the terminal), so it is left as oneCCL prints it.
+What was measured, the pipe's details and why the grouped Send/Recv line
+stays: docs/design.md, section 'oneCCL's output'.
 """
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 ``env://`` rendezvous's TCPStore, or torch.distributed's) and
 :func:`rendezvous`, the protocol by which the ranks' facts meet at rank 0,
 which publishes the topology and the unique id in one key: a constant
-number of requests per rank (torch's own pattern for a NCCL group is one
-request per rank; NCCL's bootstrap is a ring among the ranks). Every wait
-passes its own timeout: the caller's store keeps its own.
+number of store requests per rank, whatever the world size (how many, and
+against torch's and NCCL's own patterns: docs/design.md, section 'The
+rendezvous'). Every wait passes its own timeout: the caller's store keeps
+its own.
 
 :mod:`streamcoll.startup.bootstrap` makes the communicator around it (the native
 init, the default communicator, the unique id that :func:`rendezvous` is

@@ -1,58 +1,27 @@
 """Where the ranks are: which share a host, and how this host reaches the
-rendezvous address. Decides the environment defaults (:mod:`streamcoll.startup.env_defaults`)
-from facts each rank reports through the store, not from hostnames.
+rendezvous address. Decides the environment defaults
+(:mod:`streamcoll.startup.env_defaults`) from facts each rank reports
+through the store (:class:`RankFacts`), not from hostnames, which containers
+and cloned images share:
 
-Why not hostnames: containers and cloned images often share one, and with
-equal hostnames on two machines the single-host defaults (shared memory,
-loopback key-value store) make init hang. A rank reports instead:
+- its host identity (:func:`streamcoll.startup.hosts.host_identity`) and
+  its launcher's node (torchrun's ``GROUP_RANK``, else ``RANK -
+  LOCAL_RANK`` where ``LOCAL_WORLD_SIZE < WORLD_SIZE``): a host is the pair
+  (identity, node);
+- its machine (the boot id) and CPU affinity: a machine is oversubscribed
+  when its ranks' CPU sets cannot give each rank a core (:func:`core_each`);
+- its values of the variables that must agree, native and streamcoll's own
+  (:func:`streamcoll.startup.env_defaults.bound`,
+  :func:`streamcoll.startup.env_defaults.own`);
+- the route to the rendezvous address (``MASTER_ADDR``): the local address
+  and interface the kernel uses to reach it.
 
-- its **host identity**, which is what shared memory and loopback need to be
-  shared: the kernel's boot id (``/proc/sys/kernel/random/boot_id``, random
-  per boot, so two machines never share it), and the inodes of its network,
-  IPC and PID namespaces plus the device of ``/dev/shm``. Two processes with
-  the same identity reach each other on 127.0.0.1 and through ``/dev/shm``
-  (libfabric's shm provider also needs the same PID namespace for its
-  cross-memory copies). The hostname is not part of it: equal hostnames
-  prove nothing and different ones (a private UTS namespace) change nothing;
-  it is reported for the messages only.
-- **what the launcher says**: torchrun's ``GROUP_RANK`` (its node), or, where
-  ``LOCAL_WORLD_SIZE < WORLD_SIZE`` without it, ``RANK - LOCAL_RANK`` (the
-  node's first rank: torchrun numbers a node's ranks contiguously). Ranks
-  that the launcher puts on different nodes are on different hosts even when
-  their identities agree (two agents on one machine), so a host is the pair
-  (identity, node).
-- its **machine** (the boot id alone) and CPU affinity: ranks on one machine
-  share its cores even in different namespaces, which decides whether they
-  may spin (see :mod:`streamcoll.startup.env_defaults`): a machine is oversubscribed when its ranks'
-  CPU sets cannot give each rank a core of its own (:func:`core_each`).
-- the values of the variables that must agree across ranks which are not
-  streamcoll's to choose (the user's, or in effect since the process's first
-  oneCCL init: :func:`streamcoll.startup.env_defaults.bound`), and whether it applies
-  defaults at all; and its value of each of streamcoll's own settings that
-  must agree (:func:`streamcoll.startup.env_defaults.own`); :class:`Topology` computes from all ranks' facts the one
-  value of each such variable, or the conflict that refuses the init
-  (:func:`streamcoll.startup.env_defaults.agree`).
-- the **route to the rendezvous address** (``MASTER_ADDR``, else the store's
-  own host): the local address and interface the kernel uses to reach it,
-  found with a UDP ``connect()`` (sends nothing) and ``getsockname()``, then
-  the interface holding that address (``SIOCGIFCONF`` for IPv4,
-  ``/proc/net/if_inet6`` for IPv6). That interface reaches the other hosts
-  (the rendezvous works through it), so it becomes oneCCL's key-value store
-  and NIC interface and NCCL's socket interface on several hosts; oneCCL's
-  own choice is the alphabetically first interface, loopback included.
-
-How the facts meet (``bootstrap.rendezvous``): each rank sends its
-:class:`RankFacts` once; rank 0 alone reads them all, runs :func:`compute`
-(a pure function of the list of every rank's facts) and publishes the
-resulting :class:`Layout` in one key that every other rank reads once. A
-Layout is per host, not per rank (rank ranges, indices of machines and
-network namespaces, hostnames, one route per host, the cores of each machine,
-the clash findings), so what each rank receives grows with the hosts, and no
-rank's CPU list travels past rank 0. Each rank keeps its own facts
-(:attr:`Topology.me`). Layouts and facts cross the store in a generic form
-(:mod:`streamcoll.startup.wire`, driven by the dataclasses' field types):
-a field added to :class:`RankFacts` or :class:`Layout` travels without
-changes to the exchange.
+Rank 0 alone reads every rank's facts, runs :func:`compute` (a pure function
+of them, :func:`streamcoll.startup.env_defaults.agree` inside) and publishes
+one :class:`Layout`, per host, not per rank, in one key every other rank
+reads once; both cross the store through :mod:`streamcoll.startup.wire`.
+Each rank keeps its own facts (:attr:`Topology.me`). Why each fact, and how
+they meet: docs/design.md, section 'The facts each rank reports'.
 """
 from __future__ import annotations
 
@@ -458,14 +427,11 @@ class Topology:
     @property
     def spans_job(self) -> bool:
         """Whether these ranks are the launcher's whole world (true where no
-        rank knows the launcher's size). oneCCL's transport is made once per
-        process, by its first communicator, with a peer map of that
-        communicator's size; a later communicator's peer from outside it
-        gets an index past the map's end, which the shared-memory path reads
-        anyway (``atl_ofi_get_addr``: messages go to the wrong process and the
-        new communicator's first allgatherv never completes). So
-        a first communicator that is not the whole world must not use shared
-        memory (:func:`streamcoll.startup.env_defaults.agreed_defaults`)."""
+        rank knows the launcher's size). A process's first oneCCL communicator
+        that is not must not use shared memory
+        (:func:`streamcoll.startup.env_defaults.agreed_defaults`; why:
+        docs/design.md, section 'A process's first oneCCL communicator spans
+        the world')."""
         return self.layout.job_size is None or self.world_size >= self.layout.job_size
 
     def subgroup(self, ranks: Sequence[int], rank: int) -> "Topology":
