@@ -89,7 +89,14 @@ SELECTION=(
   tests/core/test_collectives.py tests/integrations/test_process_group.py
   tests/integrations/test_torch_integration.py tests/integrations/test_compile.py
   tests/integrations/test_profiling.py tests/core/test_async_contract.py
-  tests/integrations/test_torch_version.py
+  # the floor's refusals: the first part of test_torch_version.py (its second,
+  # the review of the version mechanisms, is the main suite's)
+  tests/integrations/test_torch_version.py::test_release_of_torch_version_strings
+  tests/integrations/test_torch_version.py::test_the_running_torch_is_supported
+  tests/integrations/test_torch_version.py::test_below_the_floor_the_error_names_both_releases
+  tests/integrations/test_torch_version.py::test_the_floor_is_setup_cfgs_and_the_readmes
+  tests/integrations/test_torch_version.py::test_process_group_refuses_an_older_torch
+  tests/integrations/test_torch_version.py::test_compile_refuses_an_older_torch
 )
 # The GPU machine's pair also runs the CPU side of its GPU run: the cuda
 # tests of test_cuda.py set up (they skip without a GPU), and

@@ -54,7 +54,7 @@ it), nothing starts the call until that C call returns, and the peers wait
 that long (gloo's own threads need no GIL: 0.6-9 ms against 0.43-0.96 s
 behind a 0.3-0.5 s sort; ``inline_async_bytes = 0`` the same, unless the comm
 thread took the GIL before the issuer entered the C call;
-``tests/core/test_checks_review.py``). A peer that issued the call later and waits for it
+``tests/core/test_signatures.py``). A peer that issued the call later and waits for it
 waits as it would on gloo (``tests/core/test_async_contract.py``: 0.2-0.6 ms
 behind an issuer busy for 0.3 s, gloo 0.5-3 ms in the same run; before,
 until the issuer's wait or a watchdog pass, 170-480 ms). The cost to the

@@ -93,7 +93,7 @@ init takes it from the watcher, which then sees no signal: SIGTERM's
 stand-in runs when the main thread returns to the interpreter; and once
 such a loop is closed (it sets the fd to -1), the watcher stays blind: a
 SIGTERM while the main thread is in a native call then waits for that call
-to return (a known limit: ``tests/diagnostics/test_signals_review.py``, a strict
+to return (a known limit: ``tests/diagnostics/test_signals.py``, a strict
 xfail). A forked child (a
 DataLoader worker) has no watcher thread: it gets the plain defaults back
 (:func:`_after_fork_in_child`).
