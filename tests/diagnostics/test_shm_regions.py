@@ -360,7 +360,7 @@ if __name__ != "__main__":
         in 10 of 10 rounds of 3000). Now none dies, every stale region goes,
         each removed by exactly one of them, and the regions a live process
         maps stay."""
-        module = os.path.join(ROOT, "streamcoll", "shm_regions.py")
+        module = os.path.join(ROOT, "streamcoll", "diagnostics", "shm_regions.py")
         d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None, prefix="sweeprace-")
         n, rounds, per_round = 6, 12, 500
         held = None
