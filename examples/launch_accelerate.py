@@ -10,7 +10,7 @@ DDP wrapper ``prepare`` makes run on streamcoll. Started by
 ``accelerate launch`` (torchrun underneath) or torchrun.
 
 ``--backend gloo`` runs the same on gloo; rank 0 prints a JSON line
-(tests/test_launchers.py compares the two).
+(tests/startup/test_launchers.py compares the two).
 """
 import argparse
 import json

@@ -6,7 +6,7 @@ and finds rank 0 the launcher's way.
 ``--backend gloo`` runs the same job on torch.distributed's gloo under the
 same launcher (``streamcoll.startup.launchers.adopt()`` exports the launcher's ranks
 as torchrun's variables, so ``init_process_group``'s env:// works there too);
-tests/test_launchers.py compares the two. Prints one JSON line per rank, with
+tests/startup/test_launchers.py compares the two. Prints one JSON line per rank, with
 the seconds from the process's start to the end of its first collective.
 """
 import argparse

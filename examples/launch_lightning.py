@@ -6,7 +6,7 @@ known there from streamcoll's ``torch.backends`` entry point (and from
 ``import streamcoll`` where the install has none).
 
 ``--backend gloo`` trains the same model on gloo; rank 0 prints the
-parameters as a JSON line (tests/test_launchers.py compares the two).
+parameters as a JSON line (tests/startup/test_launchers.py compares the two).
 """
 import argparse
 import json

@@ -6,7 +6,7 @@ loaded by ``import torch``.
 
 Each ``--backend`` (default: streamcoll) trains the same tiny DDP model on 2
 CPU workers in one Ray session (Ray's start-up, most of the time, is paid
-once); rank 0's parameters are printed as a JSON line, so tests/test_launchers.py
+once); rank 0's parameters are printed as a JSON line, so tests/startup/test_launchers.py
 compares streamcoll's with gloo's. Ray 2.60's Train V2 needs
 ``RAY_TRAIN_V2_ENABLED=1`` (set here when unset).
 """

@@ -1,7 +1,7 @@
 /*
  * streamcoll ABI check: the C half.
  *
- * Built by tests/test_abi.py (through streamcoll/_ffi/abi.py) against a
+ * Built by tests/binding/test_abi.py (through streamcoll/_ffi/abi.py) against a
  * library's REAL installed header, as C (gcc) or C++ (g++; oneCCL's
  * oneapi/ccl/v2/types.h includes <cstddef>). It prints what the compiler
  * computes for every item cffi relies on, one "kind key value" line each;

@@ -83,11 +83,20 @@ make_venv() {  # $1 = py:torch; 0 when the venv is complete afterwards
 # contract, and the floor's refusals. scripts/matrix_table.py maps the tests
 # to the features of docs/versions.md's table.
 SELECTION=(
-  tests/test_readme.py::test_the_readme_has_its_snippets
-  "tests/test_readme.py::test_readme_snippet_runs_on_two_ranks[README.md-0]"
-  "tests/test_readme.py::test_readme_snippet_runs_on_two_ranks[README.md-1]"
-  tests/test_collectives.py tests/test_process_group.py tests/test_torch_integration.py
-  tests/test_compile.py tests/test_profiling.py tests/test_async_contract.py tests/test_torch_version.py
+  tests/repo/test_readme.py::test_the_readme_has_its_snippets
+  "tests/repo/test_readme.py::test_readme_snippet_runs_on_two_ranks[README.md-0]"
+  "tests/repo/test_readme.py::test_readme_snippet_runs_on_two_ranks[README.md-1]"
+  tests/core/test_collectives.py tests/integrations/test_process_group.py
+  tests/integrations/test_torch_integration.py tests/integrations/test_compile.py
+  tests/integrations/test_profiling.py tests/core/test_async_contract.py
+  # the floor's refusals: the first part of test_torch_version.py (its second,
+  # the review of the version mechanisms, is the main suite's)
+  tests/integrations/test_torch_version.py::test_release_of_torch_version_strings
+  tests/integrations/test_torch_version.py::test_the_running_torch_is_supported
+  tests/integrations/test_torch_version.py::test_below_the_floor_the_error_names_both_releases
+  tests/integrations/test_torch_version.py::test_the_floor_is_setup_cfgs_and_the_readmes
+  tests/integrations/test_torch_version.py::test_process_group_refuses_an_older_torch
+  tests/integrations/test_torch_version.py::test_compile_refuses_an_older_torch
 )
 # The GPU machine's pair also runs the CPU side of its GPU run: the cuda
 # tests of test_cuda.py set up (they skip without a GPU), and
@@ -97,7 +106,7 @@ SELECTION=(
 # it downloads the cffi/pycparser wheels for cp312 into the copy's .whl/
 # unless this checkout has them).
 GPU_PAIR="3.12:2.11.0"
-GPU_EXTRA=(tests/test_cuda.py)
+GPU_EXTRA=(tests/core/test_cuda.py)
 
 # --------------------------------------------------------------- main
 main() {

@@ -21,7 +21,7 @@ The list has two parts:
   every call against the declaration's reference.
 
 ``--ci`` runs the short list (``ci=True``, chosen to run in about two
-minutes on the 2-core machine; ``tests/test_mutation.py`` runs it in the
+minutes on the 2-core machine; ``tests/repo/test_mutation.py`` runs it in the
 test command and requires every one caught); the default runs everything
 (the benchmark tier). Worlds run one at a time: each mutation's pytest
 runs alone, with ``-n 0``.
@@ -61,9 +61,9 @@ class Mutation:
     why: str = ""
 
 
-FUZZ = "tests/test_fuzz.py::test_fuzz_public_collectives"
-COLLECTIVES = "tests/test_collectives.py"
-# The value test of tests/test_collectives.py that covers each collective.
+FUZZ = "tests/core/test_fuzz.py::test_fuzz_public_collectives"
+COLLECTIVES = "tests/core/test_collectives.py"
+# The value test of tests/core/test_collectives.py that covers each collective.
 OWN_TEST: Dict[str, Tuple[str, ...]] = {
     "all_reduce": ("test_all_reduce_every_op_and_dtype",),
     "broadcast": ("test_broadcast_and_reduce",), "reduce": ("test_broadcast_and_reduce",),
@@ -79,8 +79,8 @@ OWN_TEST: Dict[str, Tuple[str, ...]] = {
 # also what the flight record names (an async entry's tensors, a running
 # synchronous call's), which a CPU test can read; run first (``-x``).
 KEEP_TEST: Dict[str, Tuple[str, ...]] = {
-    "scatter": ("tests/test_plan_keep.py::test_every_rank_s_flight_record_names_the_tensors_of_its_scatter",),
-    "all_gather": ("tests/test_plan_keep.py::test_an_async_all_gather_keeps_a_temporary_input_alive",),
+    "scatter": ("tests/core/test_plan_keep.py::test_every_rank_s_flight_record_names_the_tensors_of_its_scatter",),
+    "all_gather": ("tests/core/test_plan_keep.py::test_an_async_all_gather_keeps_a_temporary_input_alive",),
 }
 
 FIXED: List[Mutation] = [
@@ -88,18 +88,18 @@ FIXED: List[Mutation] = [
         "process_group._op always MAX",
         (("streamcoll/integrations/process_group.py", "    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n",
           "    return dist.ReduceOp.MAX\n    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n"),),
-        ("tests/test_process_group.py::test_collectives_through_torch_distributed",),
+        ("tests/integrations/test_process_group.py::test_collectives_through_torch_distributed",),
         ci=True, why="issue 28 finding 1 (the PyTorch-suite subset: test_reduce_sum, test_get_future)"),
     Mutation(
         "process_group._op always MAX (against gloo)",
         (("streamcoll/integrations/process_group.py", "    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n",
           "    return dist.ReduceOp.MAX\n    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n"),),
-        ("tests/test_process_group.py::test_reductions_match_gloo_and_numpy",)),
+        ("tests/integrations/test_process_group.py::test_reductions_match_gloo_and_numpy",)),
     Mutation(
         "process_group._op always MAX (PyTorch's suite)",
         (("streamcoll/integrations/process_group.py", "    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n",
           "    return dist.ReduceOp.MAX\n    if op is None:\n        if opts is None or isinstance(opts, int):\n            return dist.ReduceOp.SUM\n"),),
-        ("tests/test_torch_dist_suite.py::TestStreamcollDistBackend::test_reduce_sum",),
+        ("tests/integrations/test_torch_dist_suite.py::TestStreamcollDistBackend::test_reduce_sum",),
         why="issue 28 finding 1: torch's all_reduce tests compare no value; these do"),
     Mutation(
         "AVG computed as SUM (general and fast path)",
@@ -108,7 +108,7 @@ FIXED: List[Mutation] = [
          ("streamcoll/core/launch.py", "w{oi}.div_(_size)", "w{oi}.div_(1)"),
          ("streamcoll/core/launch.py", "w{oi}.mul_(_rsize)", "w{oi}.mul_(1)"),
          ("streamcoll/core/launch.py", "{out_b}.div_(_size)", "{out_b}.div_(1)")),
-        ("tests/test_compile.py::test_compiled_step_aot_eager",),
+        ("tests/integrations/test_compile.py::test_compiled_step_aot_eager",),
         why="issue 28 finding 2 (compiled vs eager compared with a plain-torch reference)"),
     Mutation(
         "AVG computed as SUM, seen by the all_reduce value test",
@@ -127,29 +127,29 @@ FIXED: List[Mutation] = [
         "queued async call keeps no tensor",
         (("streamcoll/core/async_launch.py", "item = rt.submit(lane, self._execute_host, plan, e, here)",
           "item = rt.submit(lane, self._execute_host, Plan(plan.fn, plan.args, plan.post, (), (), plan.cname), e, here)"),),
-        ("tests/test_streams.py::test_async_results_survive_dropped_tensors[w2]",), ci=True,
+        ("tests/core/test_streams.py::test_async_results_survive_dropped_tensors[w2]",), ci=True,
         why="issue 28 finding 4 (the Work dropped too; a weak reference to the tensor)"),
     Mutation(
         "async all_reduce issues nothing (returns success)",
         (("streamcoll/core/async_launch.py", "item = rt.submit(lane, self._execute_host, plan, e, here)",
           "item = rt.submit(lane, self._execute_host, Plan(lambda *a: 0, plan.args, plan.post, plan.keep, "
           "plan.outputs, plan.cname), e, here)"),),
-        ("tests/test_streams.py::test_event_pool_does_not_grow_over_10k_calls",),
+        ("tests/core/test_streams.py::test_event_pool_does_not_grow_over_10k_calls",),
         why="issue 28 finding 5 (the event-pool test checked value > 0)"),
     Mutation(
         "generated fast paths issue nothing (report success)",
         (("streamcoll/core/launch.py", 'call = "_f(" + ", ".join(vals[r] for r in roles) + ")"', 'call = "0"'),),
-        ("tests/test_validation.py::test_stream_on_the_cpu",), ci=True,
+        ("tests/core/test_validation.py::test_stream_on_the_cpu",), ci=True,
         why="issue 28 finding 5: one-rank value checks passed with a collective that does nothing"),
     Mutation(
         "single-host CCL_KVS_IFACE default deleted",
         (("streamcoll/startup/env_defaults.py", '            d["CCL_KVS_IFACE"] = "lo"\n', "            pass\n"),),
-        ("tests/test_rendezvous.py::test_torchrun_job_with_none_of_the_suites_variables",),
+        ("tests/startup/test_rendezvous.py::test_torchrun_job_with_none_of_the_suites_variables",),
         why="issue 28: hidden by the suite's blanket CCL_KVS_IFACE=lo (a torchrun job with none of them)"),
     Mutation(
         "namespace probe forgets root",
         (("tests/netns.py", "    if os.geteuid() != 0:\n", "    if False:\n"),),
-        ("tests/test_topology.py::test_namespace_probe_names_what_is_missing",),
+        ("tests/startup/test_topology.py::test_namespace_probe_names_what_is_missing",),
         why="issue 28 finding 5 (the probe's assert was always true)"),
 ]
 
@@ -182,7 +182,7 @@ def derived() -> List[Mutation]:
         # serves the general path, e.g. async_op=True), then its fuzz case
         test = (*(f"{COLLECTIVES}::{t}[w2-{m}]" for t in OWN_TEST.get(name, ()) for m in ("sync", "async")),
                 f"{FUZZ}[{name}]") if name != "all_gather_coalesced" else (
-            "tests/test_process_group.py::test_collectives_through_torch_distributed",)
+            "tests/integrations/test_process_group.py::test_collectives_through_torch_distributed",)
 
         def first(pattern: str) -> Optional[str]:
             for ln in body:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The launchers tier's own set-up (tests/test_launchers.py): a venv that sees
+# The launchers tier's own set-up (tests/startup/test_launchers.py): a venv that sees
 # the system's packages (torch, streamcoll's dependencies: torch is not
 # replaced) and adds the frameworks the tier starts jobs with. They are test
 # dependencies, never the library's. Idempotent; prints the venv's python on

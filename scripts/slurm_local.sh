@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A one-node SLURM cluster on this machine, for the launchers tier
-# (tests/test_launchers.py runs `srun -n 2` on it). Needs root (it installs
+# (tests/startup/test_launchers.py runs `srun -n 2` on it). Needs root (it installs
 # Debian's slurmd/slurmctld/slurm-client/munge where missing, and runs the
 # daemons as root with no systemd).
 #   bash scripts/slurm_local.sh start   # prints the SLURM_CONF to export

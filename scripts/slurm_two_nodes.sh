@@ -7,7 +7,7 @@
 # names in slurm.conf resolve to the veth addresses through each
 # namespace's /etc/netns/<ns>/hosts. One munged (outside the namespaces)
 # serves both: its key and socket are on the common file system, as a
-# cluster's shared munge key is. For tests/test_two_nodes.py (the
+# cluster's shared munge key is. For tests/multihost/test_two_nodes.py (the
 # `two_nodes` tier). Needs root (ip netns, unshare, the daemons run as root
 # with no systemd); installs Debian's slurmd/slurmctld/slurm-client/munge
 # where missing, as scripts/slurm_local.sh does.

@@ -16,7 +16,7 @@ PY="${PYTHON:-python3}"
 # No networking variables: the tests run with the user's environment, and
 # their ranks get what torchrun gives (tests/world.py); streamcoll's own
 # defaults choose the interfaces. The test command is what CI runs: the ABI
-# checks fail there instead of skipping (tests/test_abi.py).
+# checks fail there instead of skipping (tests/binding/test_abi.py).
 export STREAMCOLL_REQUIRE_ABI=1
 # Two cores: multi-process worlds run one module at a time (xdist_group), the
 # rest spreads over two pytest workers.

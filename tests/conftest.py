@@ -18,7 +18,17 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+# tests/ holds the test files in a folder per concern (binding, core,
+# diagnostics, startup, integrations, repo, multihost) and, at its top, the
+# helpers they import (world, workloads, netns, signal_ranks): on the path for
+# every test file, whatever its folder (pytest puts only the file's own folder
+# there). ROOT is the repository's root, for the tests that read or run its
+# files (``from conftest import ROOT``); a test file run as a rank's script
+# (``python tests/<folder>/test_x.py SCENARIO``) finds tests/ itself.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
 
 # No environment is set here: tests run with the user's environment, and a
 # rank gets what torchrun would give it (world.TORCHRUN_ENV, world.rank_env);

@@ -1,5 +1,5 @@
-"""What the signal tests' rank scripts share (tests/test_signals.py,
-tests/test_terminating_signals.py, tests/test_signals_review.py): each
+"""What the signal tests' rank scripts share (tests/diagnostics/test_signals.py,
+tests/diagnostics/test_terminating_signals.py): each
 rank records what it saw in a JSON file the test reads, replaced whole
 (a rank killed mid-write leaves the previous record), and lists its own
 libfabric shared-memory regions."""

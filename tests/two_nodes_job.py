@@ -1,4 +1,4 @@
-"""The rank side of tests/test_two_nodes.py's killed-task case: started by
+"""The rank side of tests/multihost/test_two_nodes.py's killed-task case: started by
 ``srun`` on the two simulated nodes, each rank initialises with no
 arguments (the launcher's variables only), writes its pid (as its node's
 PID namespace numbers it: what ``kill`` on that node takes) once a few

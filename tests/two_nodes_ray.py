@@ -1,4 +1,4 @@
-"""The Ray side of tests/test_two_nodes.py: run on the head node of a
+"""The Ray side of tests/multihost/test_two_nodes.py: run on the head node of a
 two-node Ray cluster (``ray start --head`` on node01, ``ray start
 --address=...`` on node02, each a simulated host), it waits for both nodes,
 then trains the same tiny DDP model with Ray Train's ``TorchTrainer`` and

@@ -25,7 +25,7 @@ instead of a compiler error.
 Relies on cffi's parser model (``ffi._parser._declarations``, 'function NAME'
 and 'typedef NAME' keys): the public API has no list of declared functions.
 
-Nothing here imports torch; tests/test_abi.py drives it.
+Nothing here imports torch; tests/binding/test_abi.py drives it.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
  * identical, checked). Only what streamcoll's helper threads and the
  * synchronous-op completion events need (streamcoll/sync_events.py), not the
  * runtime API: torch owns devices, streams and memory. Trimmed to what
- * cffi's cdef parses (no attributes, no CUDARTAPI). tests/test_abi.py
+ * cffi's cdef parses (no attributes, no CUDARTAPI). tests/binding/test_abi.py
  * compiles native/abi_check.c against the real header and compares every
  * enum value and function signature below with cffi's.
  */

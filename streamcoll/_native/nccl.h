@@ -5,7 +5,7 @@
  * nvidia-nccl-cu13 2.32.3 wheels (nvidia/nccl/include/nccl.h).
  * Trimmed to what cffi's cdef parses: no #include/#define/attributes, the
  * profiling aliases (pnccl*) left out, enum expressions written as the values
- * they evaluate to. tests/test_abi.py compiles native/abi_check.c against the
+ * they evaluate to. tests/binding/test_abi.py compiles native/abi_check.c against the
  * real header and compares every size, field offset, enum value and function
  * signature below with what cffi computes from this text.
  *

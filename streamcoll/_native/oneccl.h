@@ -5,7 +5,7 @@
  * as shipped in the oneccl-cpu-devel 2022.2.0 wheel (ONECCL_VERSION_CODE 20220200).
  * Trimmed to what cffi's cdef parses: no #include/#define/attributes, the
  * anonymous union of onecclUniqueId kept, enum expressions written as the
- * values they evaluate to. tests/test_abi.py compiles native/abi_check.c (as
+ * values they evaluate to. tests/binding/test_abi.py compiles native/abi_check.c (as
  * C++: types.h includes <cstddef>) against the real header and compares every
  * size, field offset, enum value and function signature below with cffi's.
  *

@@ -23,7 +23,7 @@ class EnvVar(NamedTuple):
     on every rank: :data:`streamcoll.startup.env_defaults.AGREEMENT` (the native ones),
     :data:`streamcoll.startup.env_defaults.OWN` (streamcoll's); each of streamcoll's says
     which in its ``doc`` ("equal on every rank (checked)" or "may differ
-    between ranks", tests/test_env_vars.py)."""
+    between ranks", tests/core/test_env_vars.py)."""
 
     name: str
     kind: str

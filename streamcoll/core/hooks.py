@@ -10,7 +10,7 @@ package runs that ``__init__`` first, so every way in
 (``import streamcoll``, ``streamcoll.Communicator``, the process group
 backend, ``python -m streamcoll``, torch's entry point
 ``streamcoll_autoload``) finds the slots filled before a communicator
-exists (``tests/test_layout.py`` checks it from a fresh interpreter).
+exists (``tests/repo/test_layout.py`` checks it from a fresh interpreter).
 
 None of this is on a call's path: the slots are read when a communicator
 is created, times out, fails for good or dumps its flight record.

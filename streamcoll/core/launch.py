@@ -29,7 +29,7 @@ general method, which validates and reports; so does every call while the
 communicator may not take a fast path (one attribute, ``_fast_ok``, read
 under the exec lock: a fast path saved as ``f = c.all_reduce`` before a
 coalescing block, a failure or destroy decides as the method would). Both run the same template, so
-they cannot drift; ``tests/test_launch.py`` counts the Python frames entered
+they cannot drift; ``tests/core/test_launch.py`` counts the Python frames entered
 on the synchronous call path.
 """
 from __future__ import annotations

@@ -213,7 +213,7 @@ class PlanContext:
         vectorized loop and 0x7FC0 in a chunk's scalar remainder, where the
         copy back always writes 0xFFFF. Making them the copy back's costs a
         pass over the output, 4.4 us at 4 KB, more than the form saves
-        (tests/test_bf16_pair_review.py). Half the bytes move (the inputs in
+        (tests/core/test_bf16_widened.py). Half the bytes move (the inputs in
         bf16) and no float32 copy goes in: 1.6-1.9x oneCCL's own bf16 at 4 KB
         where the widened form is 2.1-2.4x (docs/benchmarks.md). The fast
         path and the general path decide it alike (dtype, op, world size: the

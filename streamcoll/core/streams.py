@@ -310,7 +310,7 @@ class CpuRuntime(Runtime):
         # hold a lock that a thread inside a _mutex section waits for (fail()
         # cancels tickets under the turnstile's lock; _spawn starts a thread
         # under threading's). So not ``locked()`` then ``with``: the GIL can
-        # pass between them (a deadlock, tests/test_finalizer_nudge.py); and
+        # pass between them (a deadlock, tests/core/test_finalizer_nudge.py); and
         # not ``acquire(False)`` then ``try``: an interrupt at the end of
         # that call leaked the lock (the interrupt tier). _TryLock: see there.
         with self._try_mutex as got:

@@ -56,7 +56,7 @@ def assume_constant_result(fn):
     """What ``torch.compiler.assume_constant_result`` does (mark the function
     so Dynamo calls it at trace time and bakes the result into the graph),
     without importing Dynamo when streamcoll is imported (~1 s here).
-    tests/test_compile.py checks the marker still matches torch's."""
+    tests/integrations/test_compile.py checks the marker still matches torch's."""
     fn._dynamo_marked_constant = True
     return fn
 
