@@ -26,6 +26,15 @@ communicator's timeout:
   synchronous call (a dead peer) ends the process within the timeout plus
   about 1 s (measured across two simulated hosts, 2 x 1 and 2 x 2, 5 s timeout:
   5.1-5.4 s after the kill; 6.6 s with the earlier 1 s grace and 1 s interval).
+- A call given its own ``timeout=`` carries it in its flight entry
+  (``FlightEntry.limit``): that entry gets its own limit instead of the
+  communicator's (plus the grace where async), and the pass interval is
+  ``min(0.5 s, limit / 10)`` over the communicator's timeouts and the own
+  timeouts of calls still unfinished (``Communicator._deadlines``, pruned
+  here once they finished), so a short per-call deadline is seen within
+  about a tenth of it; a new one wakes the thread at once
+  (:func:`deadline_issued`). A synchronous CPU call given one is waited on
+  by its caller, who raises first; the watchdog is its backstop.
 - On a hang it hands the communicator to :mod:`streamcoll.diagnostics.failure`
   (mark failed, dump, report, abort, and by default end the process).
 - Each pass also starts the small CPU async calls queued without waking
@@ -63,8 +72,8 @@ from ..core.backends import BACKENDS
 from ..core.checks import WAITING
 from .._ffi.errors import CollectiveTimeout
 
-__all__ = ["EXIT_CODE", "register", "handle_timeout", "skip_native_teardown", "guard", "mode", "Watchdog",
-           "WATCHDOG", "running_calls"]
+__all__ = ["EXIT_CODE", "register", "deadline_issued", "handle_timeout", "skip_native_teardown", "guard", "mode",
+           "Watchdog", "WATCHDOG", "running_calls"]
 
 log = logging.getLogger("streamcoll.diagnostics.watchdog")
 
@@ -89,6 +98,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._wake = threading.Event()
+        self._sleeping = INTERVAL_S  # the interval of the wait in progress (deadline_issued compares)
         self.fired: List[str] = []
 
     def add(self, comm: Any) -> None:
@@ -105,7 +115,16 @@ class Watchdog:
 
     def _interval(self, comms: List[Any]) -> float:
         ts = [c.timeout for c in comms] + [g[2] for g in list(self._guards.values()) if not g[4]]
+        # the own timeouts of calls still unfinished (pruned by check once they finished)
+        ts += [t for c in comms if c.failure is None for t in list(c._deadlines.values())]
         return min([INTERVAL_S] + [max(0.05, t / 10) for t in ts])
+
+    def deadline_issued(self, comm: Any, limit: float) -> None:
+        """A call was issued with its own timeout of ``limit`` seconds: wake
+        the thread now if that needs a shorter interval than the one it
+        sleeps (its next interval counts the limit)."""
+        if max(0.05, limit / 10) < self._sleeping and self._thread is not None:
+            self._wake.set()
 
     def _loop(self) -> None:
         while True:
@@ -120,7 +139,8 @@ class Watchdog:
                     self.check(comms)
             except Exception as e:  # never let the watchdog die silently
                 log.error("streamcoll watchdog: internal error: %r", e)
-            self._wake.wait(self._interval(comms))
+            self._sleeping = self._interval(comms)
+            self._wake.wait(self._sleeping)
             self._wake.clear()
 
     def check(self, comms: List[Any]) -> None:
@@ -157,29 +177,37 @@ class Watchdog:
                 rs = fr.running_since
                 if rs is None or rs[0] != running.seq:
                     fr.running_since = (running.seq, now)
-                elif (now - rs[1]) / 1e9 > comm.timeout:  # no Work to wait on: no grace
-                    hung = (running, (now - rs[1]) / 1e9)
+                else:
+                    own = running.own_limit(rs[0])  # a call given its own timeout= (GPU host call, say)
+                    if (now - rs[1]) / 1e9 > (comm.timeout if own is None else own):  # no Work: no grace
+                        hung = (running, (now - rs[1]) / 1e9)
             if hung is None:
                 hung = overdue(comm, fr, watched(comm, fr, last), now, limit)
             if hung is not None:
                 self._fire(comm, *hung)
             elif comm.failure is None:
                 fr.resolve(comm, last)
+                _prune_deadlines(comm, fr)
 
     # -- on a hang ---------------------------------------------------------
     def _fire(self, comm: Any, e: Any, age: float) -> None:
         op, seq = e.op, e.seq
+        own = e.own_limit(seq)
+        t = comm.timeout if own is None else own
+        whose = "" if own is None else f", the call's own timeout=; the communicator's is {comm.timeout:g} s"
         shapes = _shapes(comm, e)
         m = mode()
-        exc = CollectiveTimeout(op, seq, comm.timeout, shapes, comm._rank, comm._size,
-                                f"detected by the watchdog after {age:.1f} s")
+        exc = CollectiveTimeout(op, seq, t, shapes, comm._rank, comm._size,
+                                f"detected by the watchdog after {age:.1f} s"
+                                + ("" if own is None else f" (its own timeout=; the communicator's is "
+                                                         f"{comm.timeout:g} s)"))
         comm.mark_failed(exc)
         path = dump_quietly(comm, f"watchdog: {op} #{seq} running for {age:.1f} s")
         lines = [
             "",
             f"streamcoll watchdog: {op} (sequence number {seq}) on communicator {comm.name!r} "
             f"({comm._backend.name}, {comm._device}) has not completed after {age:.1f} s "
-            f"(timeout {comm.timeout:g} s) on rank {comm._rank} of {comm._size}; tensor shapes {shapes}; "
+            f"(timeout {t:g} s{whose}) on rank {comm._rank} of {comm._size}; tensor shapes {shapes}; "
             f"strategy {'sync (inline)' if e.sync else 'async'}.",
             (f"  It has not entered {comm._backend.name}: {_waiting_note(e)}; look at that call first "
              "(the one stuck there)." if getattr(e, "behind", None) else
@@ -334,7 +362,8 @@ def watched(comm: Any, fr: Any, last: int) -> List[Any]:
 
 def overdue(comm: Any, fr: Any, cands: List[Any], now: int, limit: float) -> Optional[Tuple[Any, float]]:
     """(entry, age in s) of the first of ``cands`` still unfinished after
-    ``limit`` seconds, or None. Async entries found completed let go of
+    ``limit`` seconds (an entry of a call given its own timeout: that plus
+    :data:`GRACE_S`), or None. Async entries found completed let go of
     their events (not queried again)."""
     for e in cands:
         seq = e.seq  # before the state: the launch thread may reuse a sync entry's slot meanwhile
@@ -353,9 +382,25 @@ def overdue(comm: Any, fr: Any, cands: List[Any], now: int, limit: float) -> Opt
                 elif e.sync and e.event is not None:
                     e.event.seen = seq  # a reused slot has a new number: this marks only the old one
             continue
-        if age > limit:
+        own = e.own_limit(seq)
+        if age > (limit if own is None else own + GRACE_S):
             return e, age
     return None
+
+
+def _prune_deadlines(comm: Any, fr: Any) -> None:
+    """Forget the own timeouts (``Communicator._deadlines``) of calls that
+    finished, or that nothing watches (the ring no longer holds them; a
+    synchronous GPU call that got no completion event, ``STREAMCOLL_SYNC_EVENTS``),
+    so the pass interval grows back."""
+    d = comm._deadlines
+    if not d:
+        return
+    for sq in list(d):
+        e = fr.at(sq)
+        if (e is None or (e.sync and comm.is_gpu and e.event is None and sq <= fr.done)
+                or fr.state(comm, e) in (recorder.COMPLETED, recorder.FAILED)):
+            d.pop(sq, None)
 
 
 def _running_sync(comm: Any, last: int) -> Any:
@@ -452,6 +497,11 @@ def _report(msg: str) -> None:
 WATCHDOG = Watchdog()
 
 
+def deadline_issued(comm: Any, limit: float) -> None:
+    """A call was issued with its own timeout (``streamcoll.core.hooks.on_deadline``)."""
+    WATCHDOG.deadline_issued(comm, limit)
+
+
 def register(comm: Any) -> None:
     """Watch ``comm`` (called by ``Communicator.__init__``)."""
     ts = comm._backend.turnstile
@@ -487,5 +537,6 @@ def guard(what: str, timeout: float, detail: Any = ""):
 # ------------------------------------------------------- attached to the core
 # (streamcoll.core.hooks: the communicator never imports this module)
 _hooks.on_create.append(register)
+_hooks.on_deadline.append(deadline_issued)
 _hooks.on_timeout = handle_timeout
 _hooks.teardown_guard = skip_native_teardown

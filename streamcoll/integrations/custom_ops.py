@@ -37,8 +37,8 @@ buffer, join copies the finished result into it after the wait.
 Limits: launch and ``wait()`` of one async collective belong in the same
 compiled region (a traced Work that escapes the region can still be waited on
 eagerly); one compiled function must not run concurrently in two threads (its
-event slots are shared); ``stream=`` is not supported inside a compiled
-region.
+event slots are shared); ``stream=`` and ``timeout=`` are not supported
+inside a compiled region (NotImplementedError: the ops carry neither).
 """
 # No ``from __future__ import annotations`` here: torch.library.custom_op
 # infers each op's schema from its annotations, and torch 2.4 rejects string
@@ -342,6 +342,7 @@ def _sources(s: _spec.CollectiveSpec) -> Tuple[str, List[str]]:
             f'    """``streamcoll.{s.name}`` as custom ops (what it does under torch.compile)."""',
             "    _compile_gate()",
             f"    _no_stream(stream, {s.name!r})",
+            f"    _no_timeout(timeout, {s.name!r})",
             "    cid = comm_id(group)"]
     if red:
         src += ["    name, factor = _op_parts(op)"]
@@ -509,6 +510,13 @@ def _no_stream(stream: Any, name: str) -> None:
                                   "use the current stream (stream=None)")
 
 
+def _no_timeout(timeout: Any, name: str) -> None:
+    if timeout is not None:
+        raise NotImplementedError(f"{name}(timeout=...) is not supported inside torch.compile (the custom ops "
+                                  "carry no deadline); call it outside the compiled region, or use the "
+                                  "communicator's timeout (timeout=None)")
+
+
 def _start(cid: int, tensors: List[_Tensor]) -> Tuple[int, int, int]:
     """fork: returns (event slot, current stream index, comm stream index)."""
     cur = stream_index("current", cid)
@@ -517,9 +525,11 @@ def _start(cid: int, tensors: List[_Tensor]) -> Tuple[int, int, int]:
     return new_event_slot(), cur, cs
 
 
-def barrier(group: Optional[Communicator] = None, async_op: bool = False, device_ids: Any = None) -> None:
+def barrier(group: Optional[Communicator] = None, async_op: bool = False, device_ids: Any = None,
+            timeout: Any = None) -> None:
     """Inside a compiled region barrier is synchronous (``async_op`` is ignored)."""
     _compile_gate()
+    _no_timeout(timeout, "barrier")
     torch.ops.streamcoll.barrier(comm_id(group))
     return None
 
