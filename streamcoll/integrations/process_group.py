@@ -616,8 +616,7 @@ def _pg_source(s: Any) -> List[str]:
     timed = bool(re.search(r"\btimeout\b", s.pg_params))
     if s.async_mode != "always":
         # opts.timeout, where set: the call's own deadline (_opts_limit inline: no frame while unset)
-        lines.insert(len(lines) - 1, "    _lim = None if (_t := getattr(opts, 'timeout', None)) is None or "
-                                     "_t == _UNSET else _opts_limit(opts)")
+        lines.insert(len(lines) - 1, "    _lim = None if getattr(opts, 'timeout', _UNSET) == _UNSET else _opts_limit(opts)")
         # The usual call, in one frame of ours besides the communicator's
         # generated fast path: the group is usable and not
         # coalescing, the tensor's device type already has its communicator
