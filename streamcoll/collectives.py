@@ -3,7 +3,9 @@ defaults: swap ``torch.distributed`` for ``streamcoll`` in a training loop.
 
 ``group`` takes a :class:`~streamcoll.Communicator` (default: the one
 :func:`streamcoll.init` made). Ranks (``src``, ``dst``, peers) are ranks in
-that communicator. ``stream=`` (keyword only) launches on an explicit stream.
+that communicator. ``stream=`` (keyword only) launches on an explicit stream;
+``timeout=`` (keyword only) is the call's own deadline (each function's
+docstring, and docs/api.md, say what it does).
 
 Every function here is generated from its declaration in
 :mod:`streamcoll.core.spec` (same parameters, defaults and docstring as the
@@ -46,12 +48,12 @@ def _source(s: _spec.CollectiveSpec) -> str:
     lines = [f"def {s.name}({sig}):"]
     if s.compiled:
         traced = ", ".join([*s.param_names, "group", "async_op",
-                            "device_ids" if s.name == "barrier" else "stream"])
+                            "device_ids" if s.name == "barrier" else "stream", "timeout"])
         lines += ["    if _compiling():", f"        return _traced.{s.name}({traced})"]
     if s.returns == "work_list":
         lines += ["    if not p2p_op_list:",
                   "        raise ValueError('p2p_op_list: expected a non-empty list of P2POp')",
-                  "    return _g(getattr(p2p_op_list[0], 'group', None)).batch_isend_irecv(p2p_op_list)"]
+                  "    return _g(getattr(p2p_op_list[0], 'group', None)).batch_isend_irecv(p2p_op_list, timeout=timeout)"]
     else:
         lines += ["    c = group if type(group) is Communicator else (bootstrap._DEFAULT if group is None else None)",
                   "    if c is None:",
@@ -70,8 +72,8 @@ def _install() -> None:
                               "Communicator": Communicator, "_g": _g, "_SUM": _SUM, "_ReduceOp": ReduceOp}
         exec(compile(src, filename, "exec"), ns)
         fn = ns[name]
-        fn.__doc__ = s.doc + ("" if s.returns == "work_list" else
-                              "\n\n``group``: a Communicator (default: the one streamcoll.init() made).")
+        fn.__doc__ = _text.doc_text(s) + ("" if s.returns == "work_list" else
+                                          "\n\n``group``: a Communicator (default: the one streamcoll.init() made).")
         fn.__module__ = __name__
         g[name] = fn
         for a in s.aliases:

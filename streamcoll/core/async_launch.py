@@ -23,8 +23,10 @@ import torch
 
 from . import callbacks as _callbacks
 from . import helper_threads
+from . import hooks as _hooks
 from . import recorder as _recorder
 from .._ffi.errors import UsageError
+from .launch import build_sync_launcher
 from .recorder import FlightEntry
 from .spec import Plan
 from .work import REAPER, Work
@@ -73,10 +75,15 @@ class AsyncLaunch:
         _failed: Optional[BaseException]
         _seq: int
         _p2p: int
+        _deadlines: Dict[int, float]
+        _launch_sync_limit: Any
         record_stream: bool
+        timeout: float
+        name: str
 
         def _check_usable(self) -> None: ...
         def _raise_rc(self, cname: str, rc: int) -> None: ...
+        def _timed_out(self, op: str, seq: int, timeout: float, tensors: Any, detail: str = "") -> Any: ...
 
     def comm_stream(self, current: Any = None) -> Any:
         """The comm stream serving ``current`` (a stream of this device;
@@ -107,6 +114,60 @@ class AsyncLaunch:
         if item.exc is not None:
             raise item.exc
         return None
+
+    def _launch_limited(self, name: str, plan: Plan, stream: Any, limit: float) -> None:
+        """A synchronous call given its own ``timeout=`` (``limit`` seconds,
+        checked). On the CPU it runs on the comm thread, behind the work
+        issued before it (issue order, as :meth:`_run_queued_sync`), and the
+        caller waits up to ``limit`` from the issue: past it the call is
+        declared stuck (:class:`~streamcoll.CollectiveTimeout` naming the
+        limit; the communicator is failed, NCCL's aborted, oneCCL's left
+        failed with the call inside it: ``Communicator._timed_out``). An
+        inline call could not raise: a oneCCL call waiting for its peers
+        cannot be interrupted, and oneCCL cannot abort. Its first-call check
+        is deferred to the comm thread too (the general method), so the
+        deadline bounds it as well. On a GPU the call is enqueued on the
+        stream as any synchronous call, its flight entry carrying the limit,
+        which the watchdog applies to its completion event."""
+        if self._gpu:
+            f = self.__dict__.get("_launch_sync_limit")
+            if f is None:
+                f = self._launch_sync_limit = build_sync_launcher(self, limited=True)
+            f(name, plan, stream, limit)
+            self._deadline_issued(None, limit)
+            return None
+        rt = self._rt
+        with rt.exec_lock:
+            if not self._usable:
+                self._check_usable()
+            seq, e = self._new_async_entry(name, plan)
+            e.limit = (seq, limit)
+            item = rt.submit(None, self._execute_host, plan, e)  # type: ignore[arg-type]  # CPU: no lane
+        self._deadline_issued(seq, limit)
+        if not rt._wait_item(item, limit):  # type: ignore[attr-defined]  # only the CPU runtime queues
+            raise self._timed_out(
+                name, seq, limit, plan.outputs or plan.keep,
+                f"its own timeout ({limit:g} s, given to this call; the communicator's is {self.timeout:g} s) "
+                "passed: declared stuck, the communicator is failed")
+        if item.exc is not None:
+            raise item.exc
+        return None
+
+    def _deadline_issued(self, seq: Optional[int], limit: float) -> None:
+        """A call given its own timeout was issued (``seq``: its number; None:
+        recorded by the launcher): the watchdog keeps a pass interval short
+        enough for it (``Communicator._deadlines``, pruned by the watchdog once
+        the call finished; here too, past the flight ring, where nothing
+        watches it) and is told at once (:data:`streamcoll.core.hooks.on_deadline`)."""
+        d = self._deadlines
+        if seq is not None:
+            d[seq] = limit
+        if len(d) > 64:  # no watchdog pruning it (STREAMCOLL_WATCHDOG=off): keep what the ring holds
+            lo = self._seq - self._flight.capacity
+            for s in [s for s in list(d) if s <= lo]:
+                d.pop(s, None)
+        for h in _hooks.on_deadline:
+            h(self, limit)
 
     def _new_async_entry(self, name: str, plan: Plan) -> tuple:
         """Take the next sequence number and record it (exec lock held)."""
@@ -155,10 +216,13 @@ class AsyncLaunch:
         if plan.post is not None:
             plan.post()
 
-    def _launch_async(self, name: str, plan: Plan, key: Any = None, current: Any = None, here: Any = False) -> Work:
+    def _launch_async(self, name: str, plan: Plan, key: Any = None, current: Any = None, here: Any = False,
+                      limit: Optional[float] = None) -> Work:
         """Queue ``plan`` on the comm stream serving ``key`` (default: the
         caller's current stream; ``current``: that stream, where the caller's
-        current one is another: posted ops launched later) and return its Work."""
+        current one is another: posted ops launched later) and return its
+        Work; ``limit``: the call's own timeout (its flight entry and Work
+        carry it), None: the communicator's."""
         if not self._usable:
             self._check_usable()  # every launcher: posted ops flushed after a failure are not launched
         rt = self._rt
@@ -175,6 +239,8 @@ class AsyncLaunch:
             lane = self._lanes[key] = rt.new_lane(key, current)
         with rt.exec_lock:  # not acquire() then try: an interrupt between them would keep it
             seq, e = self._new_async_entry(name, plan)
+            if limit is not None:
+                e.limit = (seq, limit)
             if self._gpu:
                 try:
                     rt.submit(lane, self._execute_device, plan, e)
@@ -195,7 +261,9 @@ class AsyncLaunch:
                 rt.keep_alive(plan.keep, lane)
             else:
                 stash = REAPER.add(ev, plan.keep, self._dev_index if self._dev_type == "cuda" else None)
-        return Work(self, rt, lane, ev, seq, name, plan.outputs, stash, bool(here))
+        if limit is not None:
+            self._deadline_issued(seq, limit)
+        return Work(self, rt, lane, ev, seq, name, plan.outputs, stash, bool(here), limit)
 
     def _complete_future_when_done(self, work: Work) -> None:
         """Complete ``work``'s future once the collective has: the comm thread

@@ -297,13 +297,16 @@ class _Checker:
         self.sig: Optional["Signatures"] = None  # the first-call checks, set aside while this is on
 
     def check(self, name: str, fp: dict, n: Optional[int] = None, store: Any = None,
-              seq: Optional[int] = None, poll: bool = False) -> None:
+              seq: Optional[int] = None, poll: bool = False, limit: Optional[float] = None) -> None:
         """Check number ``n`` (default: the next one) of ``fp`` across ranks
         (through ``store``, default the communicator's). ``seq``: the call's
         sequence number where it is not the next one (a deferred check runs
         on the comm thread after its call took its number). ``poll``: wait
-        by polling (:func:`_poll_wait`), not in the server."""
+        by polling (:func:`_poll_wait`), not in the server. ``limit``: the
+        call's own timeout (seconds), which bounds the wait instead of the
+        communicator's."""
         comm = self.comm
+        wait_s = comm.timeout if limit is None else limit
         deferred = seq is not None
         if seq is None:
             seq = comm._seq + 1
@@ -328,15 +331,15 @@ class _Checker:
                             f"(rank {me} of {size}, {comm.backend}): in its {self.label} #{n}, waiting in the "
                             "store for the other ranks before any native call")
             if poll:
-                _poll_wait(store, keys, comm.timeout)
+                _poll_wait(store, keys, wait_s)
             else:
-                store.wait(keys, timedelta(seconds=comm.timeout))
+                store.wait(keys, timedelta(seconds=wait_s))
         except Exception as e:
             missing = [r for r in range(size) if not store.check([keys[r]])]
             if not missing:
                 raise
             raise CollectiveTimeout(
-                name, seq, comm.timeout, [], me, size,
+                name, seq, wait_s, [], me, size,
                 f"{self.label} #{n}: {_ranks(missing)} never reached this collective within the timeout "
                 f"(skipped it, died or hung); this rank called {_show(fp)}") from e
         finally:
@@ -576,7 +579,7 @@ class Signatures:
         return key not in self.seen and len(self.seen) < self.bound
 
     def _check(self, name: str, key: tuple, counts: Any, store: Any = None, seq: Optional[int] = None,
-               poll: bool = False) -> None:
+               poll: bool = False, limit: Optional[float] = None) -> None:
         """Number and run the check of ``key`` (where its call runs, in issue
         order); ``seen`` takes it once it passed on every rank. ``counts``:
         all-to-all's, cross-checked (:meth:`_cross`)."""
@@ -591,7 +594,7 @@ class Signatures:
             fp["_counts"] = counts
         self.checks += 1
         ch.n += 1
-        ch.check(name, fp, ch.n, store, seq, poll)
+        ch.check(name, fp, ch.n, store, seq, poll, limit)
         self.seen.add(key)  # passed (a mismatch stays unseen: the same call again is checked again)
 
     def _deferred_store(self) -> Tuple[Any, bool]:
@@ -616,13 +619,15 @@ class Signatures:
             self._async_store = st
         return (self._checker.store, True) if st is False else (st, False)  # type: ignore[union-attr]
 
-    def first(self, s: Any, args: tuple, plan: Any = None, async_op: Any = False) -> None:
+    def first(self, s: Any, args: tuple, plan: Any = None, async_op: Any = False,
+              limit: Optional[float] = None) -> None:
         """Check ``s``'s call with ``args`` across ranks if its signature is
         new (the class docstring: decided where the call runs). An async
         call (``plan`` given) is checked right before its C call (the comm
         thread on the CPU): ``async_op=True`` still returns before the peers
         arrive, and a mismatch is the Work's error. A synchronous one is
-        checked here, after the async work queued before it."""
+        checked here, after the async work queued before it. ``limit``: the
+        call's own timeout, which bounds the check's wait for the peers."""
         name = s.name
         if name not in _FIRST:
             return
@@ -643,7 +648,7 @@ class Signatures:
                 if self._due(key):  # decided in issue order: a pending check of key has run by now
                     self._async_busy = True  # left so by any exception: the connection may be mid-request
                     try:
-                        self._check(name, key, counts, st, seq, poll)
+                        self._check(name, key, counts, st, seq, poll, limit)
                     except MismatchError:
                         self._async_busy = False  # raised after the check's last request: between requests
                         raise
@@ -661,7 +666,7 @@ class Signatures:
             rt.drain()
             if not self._due(key) or not comm._usable:
                 return
-        self._check(name, key, counts)
+        self._check(name, key, counts, limit=limit)
 
     def first_fast(self, fk: tuple, s: Any, args: tuple, async_op: bool = False) -> bool:
         """A fast path's key ``fk`` missed: check the signature (a

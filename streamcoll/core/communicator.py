@@ -231,6 +231,7 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
         # CPU async calls up to this many bytes are queued quietly (see inline_async_bytes)
         self._inline_async = 0 if self._gpu else read_int("STREAMCOLL_INLINE_ASYNC_BYTES", INLINE_ASYNC_BYTES, 0)
         self._lanes: Dict[Any, Lane] = {}
+        self._deadlines: Dict[int, float] = {}  # seq -> own timeout of calls given one (AsyncLaunch._deadline_issued)
         self._cx = PlanContext(self)
         self._flight = _recorder.attach(self)
         self._sync_events = _sync_events_for(self)
@@ -555,8 +556,10 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
                 return
         raise self._backend.binding.error(self._backend.funcs.get(cname, cname), rc, self._handle)
 
-    def _launch(self, name: str, plan: Plan, async_op: Any, stream: Any) -> Optional[Work]:
-        """The one entry of both strategies (general path)."""
+    def _launch(self, name: str, plan: Plan, async_op: Any, stream: Any, limit: Optional[float] = None
+                ) -> Optional[Work]:
+        """The one entry of both strategies (general path); ``limit``: the
+        call's own timeout in seconds (checked), None: the communicator's."""
         if async_op is not False and async_op is not True:
             if not isinstance(async_op, (bool, np.bool_)):
                 raise TypeError(f"async_op: expected a bool, got {async_op!r}")
@@ -566,25 +569,28 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
         if stream is not None and not async_op:  # with async_op: the ValueError below
             self._check_stream(name, stream)
         if self._coalescing is not None and self._coalescing_thread == threading.get_ident():
-            self._coalescing.append((name, plan))
+            self._coalescing.append((name, plan, limit))
             return None
         if async_op:
             if stream is not None:
                 raise ValueError(f"stream: {name}(async_op=True) launches on the comm stream of the current "
                                  "stream; make the stream current (torch.cuda.stream(s)) instead of passing stream=")
             if name in _POSTED:
-                return self._post(name, plan)
+                return self._post(name, plan, limit)
             if self._posted:
                 self._flush_posted()
             return self._launch_async(name, plan, here=(self._inline_async and name not in _NEVER_INLINE
-                                                        and _nbytes(plan) <= self._inline_async))
+                                                        and _nbytes(plan) <= self._inline_async), limit=limit)
         if self._posted and name in _P2P_SYNC and stream is None:
             # with the posted ops in one group: a blocking send/recv after
             # an irecv/isend must not wait behind them (nor they behind it)
-            self._post(name, plan).wait()
+            self._post(name, plan, limit).wait()
             return None
         if POSTING:
             launch_posted()  # it blocks: nothing this process posted may be what a peer waits on
+        if limit is not None:  # its own deadline (AsyncLaunch._launch_limited)
+            self._launch_limited(name, plan, stream, limit)
+            return None
         return self._launch_sync(name, plan, stream)
 
     def _check_stream(self, name: str, stream: Any) -> None:

@@ -19,6 +19,7 @@ from . import profiling as _profiling
 from . import source_text as _text
 from . import spec as _spec
 from .ops import ReduceOp
+from .timeouts import per_call as _per_call
 
 __all__ = ["install", "method_source"]
 
@@ -32,15 +33,18 @@ def method_source(s: _spec.CollectiveSpec) -> str:
     tup = f"({args},)" if s.params else "()"
     a = {"param": "async_op", "never": "False", "always": "True"}[s.async_mode]
     stream = "None" if s.returns == "work_list" or s.name == "barrier" else "stream"
-    launch = f"self._launch({s.name!r}, _planner(self._cx{', ' if args else ''}{args}), {a}, {stream})"
+    launch = f"self._launch({s.name!r}, _planner(self._cx{', ' if args else ''}{args}), {a}, {stream}, timeout)"
     lines = [f"def {s.name}({sig}):",
              "    if self._pre_hooks:",
              f"        self._pre(_S, {tup}, {a})"]
     if not s.p2p:  # the first-call check (debug.Signatures), after the planner validated the arguments
+        # a CPU call given timeout= runs on the comm thread (Communicator._launch_limited): its
+        # check is deferred there, as an async call's, so that the caller's deadline bounds it too
+        check_a = a if a == "True" else f"{a} if timeout is None else ({a} or not self._gpu)"
         lines += [f"    _p = _planner(self._cx{', ' if args else ''}{args})",
                   "    if self._sig is not None:",
-                  f"        self._sig.first(_S, {tup}, _p, {a})"]
-        launch = f"self._launch({s.name!r}, _p, {a}, {stream})"
+                  f"        self._sig.first(_S, {tup}, _p, {check_a}, timeout)"]
+        launch = f"self._launch({s.name!r}, _p, {a}, {stream}, timeout)"
     if s.returns == "src":
         peer = s.params[1].name
         lines += [f"    {launch}", f"    return int({peer})"]
@@ -59,6 +63,9 @@ def method_source(s: _spec.CollectiveSpec) -> str:
     # (streamcoll.core.profiling; one attribute read otherwise, no frame)
     body = "".join("    " + x + "\n" for x in lines[1:])
     return (f"{lines[0]}\n"
+            # the call's own timeout, checked before anything (the pre-hooks may exchange through the store)
+            f"    if timeout is not None:\n"
+            f"        timeout = _per_call(timeout)\n"
             f"    _ev = _prof(self, _S, {tup}, {a}) if _ap._is_profiler_enabled else None\n"
             f"    try:\n{body}"
             f"    finally:\n"
@@ -74,10 +81,10 @@ def install(cls: type) -> None:
         filename = f"<streamcoll generated Communicator.{name}>"
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
         ns: Dict[str, Any] = {"_S": s, "_planner": s.planner, "_SUM": _SUM, "_ReduceOp": ReduceOp, "torch": torch,
-                              "_ap": _profiling._ap, "_prof": _profiling.begin}
+                              "_ap": _profiling._ap, "_prof": _profiling.begin, "_per_call": _per_call}
         exec(compile(src, filename, "exec"), ns)
         fn = ns[name]
-        fn.__doc__ = s.doc
+        fn.__doc__ = _text.doc_text(s)
         fn.__qualname__ = f"Communicator.{name}"
         fn.__module__ = cls.__module__
         setattr(cls, name, fn)

@@ -13,7 +13,8 @@ backend, ``python -m streamcoll``, torch's entry point
 exists (``tests/repo/test_layout.py`` checks it from a fresh interpreter).
 
 None of this is on a call's path: the slots are read when a communicator
-is created, times out, fails for good or dumps its flight record.
+is created, times out, fails for good or dumps its flight record, and
+when a call is given its own ``timeout=`` (the general path).
 
 - :data:`on_create`: called with each new Communicator at the end of its
   construction (the watchdog watches it: the hang detection, and the start
@@ -26,6 +27,9 @@ is created, times out, fails for good or dumps its flight record.
 - :data:`teardown_guard`: called once a native call can never return (a
   oneCCL communicator that cannot abort): the process's exit then skips
   the native teardown (:func:`streamcoll.diagnostics.watchdog.skip_native_teardown`).
+- :data:`on_deadline`: called with ``(communicator, seconds)`` when a
+  call is issued with its own ``timeout=`` (the watchdog shortens its
+  pass interval for it at once, instead of after the pass it sleeps in).
 - :data:`on_dump`: called with ``(communicator, reason)`` after its flight
   record was written (:func:`streamcoll.core.recorder.dump`): torch's format
   too where torch's variables ask for it (:mod:`streamcoll.diagnostics.fr_torch`).
@@ -36,7 +40,7 @@ from typing import Any, Callable, List
 
 from .._ffi.errors import CollectiveTimeout
 
-__all__ = ["on_create", "on_timeout", "teardown_guard", "on_dump"]
+__all__ = ["on_create", "on_timeout", "teardown_guard", "on_deadline", "on_dump"]
 
 
 def _unattached(slot: str) -> Callable[..., Any]:
@@ -49,4 +53,5 @@ def _unattached(slot: str) -> Callable[..., Any]:
 on_create: List[Callable[[Any], None]] = []
 on_timeout: Callable[..., CollectiveTimeout] = _unattached("on_timeout")
 teardown_guard: Callable[[], Any] = _unattached("teardown_guard")
+on_deadline: List[Callable[[Any, float], None]] = []
 on_dump: List[Callable[[Any, str], None]] = []

@@ -48,7 +48,7 @@ from .ops import ReduceOp
 from .plans import FLOATS
 from .recorder import ENQUEUED, FlightEntry
 from .work import Work
-from .source_text import c_roles, signature_text
+from .source_text import c_roles, doc_text, signature_text
 from .spec import CollectiveSpec, Plan
 
 __all__ = ["SYNC_TEMPLATE", "build_sync_launcher", "build_fast_path", "generated_source"]
@@ -63,7 +63,9 @@ _GENERATED: Dict[str, str] = {}
 # when it may not: the general path queues it behind the async work; a fast
 # path falls through to the general path), {ticket}/{enter}/{leave} (the
 # call's turn in the process, oneCCL: Backend.turnstile, its ticket taken
-# under the exec lock, in issue order; nothing for NCCL).
+# under the exec lock, in issue order; nothing for NCCL), {limit} (a GPU call
+# given its own timeout=: its entry's limit, FlightEntry.limit; empty on
+# every other path, whose source is then what it was without deadlines).
 #
 # Exception-safe at every bytecode (a KeyboardInterrupt from a
 # signal handler, a SIGALRM timeout): the lock is a ``with`` (released by the
@@ -81,7 +83,7 @@ with _lock:
             e.seq = seq
             e.op = {name}
             e.p2p = _comm._p2p
-            _fr.cur = {keep}
+{limit}            _fr.cur = {keep}
 {enter}            rc = {call}
             if rc:
                 _comm._raise_rc({cname}, rc)
@@ -124,10 +126,10 @@ def _indent(text: str, n: int) -> str:
     return "".join(pad + line if line.strip() else line for line in text.splitlines(True))
 
 
-def _fill(post: str, record: str, **parts: str) -> str:
+def _fill(post: str, record: str, limit: str = "", **parts: str) -> str:
     """:data:`SYNC_TEMPLATE` with its parts; {post} and {record} come
     written for a body at 8 spaces and land inside the try (12)."""
-    return SYNC_TEMPLATE.format(post=_indent(post, 4), record=_indent(record, 4), **parts)
+    return SYNC_TEMPLATE.format(post=_indent(post, 4), record=_indent(record, 4), limit=limit, **parts)
 
 
 _CODE: Dict[str, Any] = {}
@@ -201,8 +203,12 @@ def _record(comm: Any) -> str:
     return _indent(sev.source(), 8)
 
 
-def build_sync_launcher(comm: Any) -> Callable[[str, Plan, Any], Any]:
-    """``launch_sync(name, plan, stream)``: the synchronous strategy for any plan."""
+def build_sync_launcher(comm: Any, limited: bool = False) -> Callable[..., Any]:
+    """``launch_sync(name, plan, stream)``: the synchronous strategy for any
+    plan. ``limited``: ``launch_sync_limit(name, plan, stream, limit)``, the
+    same for a GPU call given its own ``timeout=`` (its flight entry carries
+    ``limit``, which the watchdog applies to its completion event; a CPU call
+    given one runs on the comm thread instead, ``Communicator._launch_limited``)."""
     cpu = not comm._gpu
     ns = _namespace(comm)
     ns["_queued"] = comm._run_queued_sync
@@ -220,9 +226,12 @@ def build_sync_launcher(comm: Any) -> Callable[[str, Plan, Any], Any]:
     body = _fill(ready=ready, p2p="\n        if plan.p2p:\n            _comm._p2p += 1", name="name",
                                 keep="plan.keep", call="plan.fn(*plan.args, h)", cname="plan.cname",
                                 post=post, record="" if cpu else _record(comm), ret="None", not_ready=not_ready,
+                                limit=("            e.limit = (seq, limit)\n"
+                                       "            _comm._deadlines[seq] = limit\n") if limited else "",
                                 **_serial(comm))
-    src = "def launch_sync(name, plan, stream):\n" + head + _indent(body, 4)
-    return _compile(src, "launch_sync", ns, f"launch_sync/{comm._device.type}")
+    fname = "launch_sync_limit" if limited else "launch_sync"
+    src = f"def {fname}(name, plan, stream{', limit' if limited else ''}):\n" + head + _indent(body, 4)
+    return _compile(src, fname, ns, f"{fname}/{comm._device.type}")
 
 
 class _ScratchViews:
@@ -280,7 +289,7 @@ class _ScratchViews:
 def _general_args(spec: CollectiveSpec) -> str:
     """The arguments a fast path passes on to the general method."""
     argnames = [a.split("=")[0] for a in signature_text(spec).split(", ") if a != "*"]
-    return ", ".join(a if a != "stream" else "stream=stream" for a in argnames)
+    return ", ".join(a if a not in ("stream", "timeout") else f"{a}={a}" for a in argnames)
 
 
 def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]) -> Optional[Callable[..., Any]]:
@@ -316,6 +325,7 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
     elif spec.async_mode == "param":
         conds.append("async_op is False")
     conds.append("stream is None")
+    conds.append("timeout is None")  # a call given its own deadline: the general path
     conds.append("not _ap._is_profiler_enabled")  # while a profiler records: the general method's event
     bufs = [p.name for p in spec.buffers]
     for b in bufs:
@@ -517,6 +527,6 @@ def build_fast_path(comm: Any, spec: CollectiveSpec, general: Callable[..., Any]
            + _indent("\n".join(lines) + "\n" + head + body, 8)
            + f"    return _general(_comm, {call_general})\n")
     fn = _compile(src, spec.name, ns, f"{spec.name}/{comm._device.type}/{comm._backend.name}")
-    fn.__doc__ = spec.doc
+    fn.__doc__ = doc_text(spec)
     return fn
 

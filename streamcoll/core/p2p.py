@@ -81,22 +81,26 @@ class PostedOps(AsyncLaunch):
         _post_lock: threading.Lock
         _coalescing: Optional[list]
         _coalescing_thread: Optional[int]
+        timeout: float
 
         def _posting_changed(self) -> None: ...
         def _refresh_fast_paths(self) -> None: ...
-        def _launch(self, name: str, plan: Plan, async_op: Any, stream: Any) -> Optional[Work]: ...
+        def _launch(self, name: str, plan: Plan, async_op: Any, stream: Any,
+                    limit: Optional[float] = None) -> Optional[Work]: ...
 
-    def _post(self, name: str, plan: Plan) -> PostedWork:
+    def _post(self, name: str, plan: Plan, limit: Optional[float] = None) -> PostedWork:
         """Post a p2p op: kept (validated, planned, nothing issued) until
         :meth:`_flush_posted` launches every posted op as one group. Ops
         posted under another current stream (GPU) first launch the ones
         posted before, so each group's comm stream waits on the stream its
-        ops were posted under."""
+        ops were posted under. ``limit``: the op's own timeout (its Work's
+        wait; the group's limit is the strictest of its ops')."""
         rt = self._rt
         key = rt.current_key()
         if self._posted and key != self._posted_key:
             self._flush_posted()
         w = PostedWork(self, name, plan.outputs)
+        w._limit = limit
         with self._post_lock:
             first = not self._posted
             self._posted.append((plan, w))
@@ -128,12 +132,14 @@ class PostedOps(AsyncLaunch):
         if not posted:
             return
         self._posting_changed()
+        limit = self._strictest([w._limit for _, w in posted])
         try:
             if len(posted) == 1:
                 plan, w = posted[0]
-                work = self._launch_async(w.op, plan, key, current)
+                work = self._launch_async(w.op, plan, key, current, limit=limit)
             else:
-                work = self._launch_async(_recorder.P2P_GROUP, self._group_plan([p for p, _ in posted]), key, current)
+                work = self._launch_async(_recorder.P2P_GROUP, self._group_plan([p for p, _ in posted]), key, current,
+                                          limit=limit)
         except BaseException as e:  # noqa: BLE001 - handed to the Works, raised by their wait()
             for _, w in posted:
                 w._exc = e
@@ -141,6 +147,16 @@ class PostedOps(AsyncLaunch):
         for _, w in posted:
             w._group = work
             w.seq = work.seq
+
+    def _strictest(self, limits: Sequence[Optional[float]]) -> Optional[float]:
+        """The limit of a group launch whose ops were given ``limits`` (their
+        own timeouts, None: the communicator's): the shortest of them, the
+        communicator's counted for ops given none; None where no op was
+        given one (the communicator's applies)."""
+        own = [x for x in limits if x is not None]
+        if not own:
+            return None
+        return min(own + ([self.timeout] if len(own) < len(limits) else []))
 
     def _group_plan(self, plans: Sequence[Plan], cname: str = "group_end") -> Plan:
         """One plan launching ``plans`` between GroupStart and GroupEnd, their
@@ -174,9 +190,10 @@ class PostedOps(AsyncLaunch):
             self._coalescing_thread = None
             self._refresh_fast_paths()
         if ops:
-            plan = self._group_plan([p for _, p in ops])
+            plan = self._group_plan([p for _, p, _ in ops])
             # a block holding p2p ops is point to point for the flight analysis (it advances the p2p count)
-            handle.work = self._launch(_recorder.COALESCED_P2P if plan.p2p else "coalesced", plan, async_op, None)
+            handle.work = self._launch(_recorder.COALESCED_P2P if plan.p2p else "coalesced", plan, async_op, None,
+                                       self._strictest([lim for _, _, lim in ops]))
 
 
 class _Coalesced:

@@ -52,10 +52,16 @@ class FlightEntry:
     section 'The flight recorder's ring') and its slot object is reused by later synchronous calls, so
     the hot path allocates nothing. Asynchronous entries are new objects
     (they are referenced by the comm thread and the watchdog until done).
+
+    ``limit``: unset or None (the communicator's timeout applies), or ``(seq,
+    seconds)``: the call's own ``timeout=`` (:meth:`own_limit`). Keyed by
+    the sequence number because a synchronous slot is reused by later calls
+    that do not write it (the hot path writes no more fields than before):
+    a later occupant has another number, so the limit is not its.
     """
 
     __slots__ = ("seq", "op", "p2p", "sync", "t_enq", "refs", "t_start", "t_end", "state", "event", "error",
-                 "behind")
+                 "behind", "limit")
 
     def __init__(self, seq: int = 0, op: str = "", p2p: int = 0, sync: bool = True, t_enq: int = 0,
                  refs: Any = None, state: str = COMPLETED) -> None:
@@ -72,6 +78,16 @@ class FlightEntry:
         self.error: Optional[str] = None
         # while it waits for its turn in the process (Backend.turnstile): the call it waits behind
         self.behind: Optional[str] = None
+        # ``limit`` stays unset (no store on the launch paths): set only by a call given timeout=
+
+    def own_limit(self, seq: Optional[int] = None) -> Optional[float]:
+        """The per-call timeout (seconds) of the call this entry records
+        (``seq``: the number the reader took first, when the slot may be
+        reused meanwhile), or None: the communicator's timeout applies."""
+        lim = getattr(self, "limit", None)
+        if lim is None:
+            return None
+        return lim[1] if lim[0] == (self.seq if seq is None else seq) else None
 
     def __repr__(self) -> str:
         return f"<FlightEntry #{self.seq} {self.op} {'sync' if self.sync else 'async'} {self.state}>"
@@ -259,6 +275,9 @@ def _entry_json(comm: Any, fr: FlightRecorder, e: Any, now: int, seen: Optional[
         "duration_s": (t_end - t_start) / 1e9 if t_end and t_start else None,
         "age_s": (now - (t_start or t_enq)) / 1e9 if (t_start or t_enq) else None,
     }
+    own = e.own_limit()
+    if own is not None:
+        d["timeout_s"] = own  # the call's own timeout= (else the communicator's, the record's timeout_s)
     if sync and state == RUNNING:
         d["started_note"] = "first seen running by the watchdog" if seen else "running; start time not recorded"
     err = fr.errors.get(e.seq) if sync else e.error

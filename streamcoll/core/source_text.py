@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Tuple
 from .ops import ReduceOp
 from .spec import REQUIRED, CollectiveSpec
 
-__all__ = ["signature_text", "call_text", "c_roles"]
+__all__ = ["signature_text", "call_text", "doc_text", "TIMEOUT_DOC", "c_roles"]
 
 
 def _default_text(d: Any) -> str:
@@ -24,7 +24,9 @@ def _default_text(d: Any) -> str:
 def signature_text(spec: CollectiveSpec, group: bool = False, self_: bool = False) -> str:
     """The Python parameter list of the collective, torch.distributed's order:
     its parameters, then ``group`` (module functions), ``async_op`` where it is
-    a parameter, and a keyword-only ``stream``."""
+    a parameter, and the keyword-only ``stream`` (not barrier's, nor
+    batch_isend_irecv's) and ``timeout`` (the call's own deadline, every
+    collective and point-to-point call)."""
     parts: List[str] = ["self"] if self_ else []
     for p in spec.params:
         parts.append(p.name if p.default is REQUIRED else f"{p.name}={_default_text(p.default)}")
@@ -35,10 +37,37 @@ def signature_text(spec: CollectiveSpec, group: bool = False, self_: bool = Fals
     if spec.async_mode == "param":
         parts.append("async_op=False")
     if spec.name == "barrier":
-        parts.append("device_ids=None")
+        parts += ["device_ids=None", "*", "timeout=None"]
     elif spec.returns != "work_list":
-        parts += ["*", "stream=None"]
+        parts += ["*", "stream=None", "timeout=None"]
+    else:
+        parts += ["*", "timeout=None"]
     return ", ".join(parts)
+
+
+# What every collective's docstring says of ``timeout=`` (docs/api.md, "Per-call timeouts", says more).
+TIMEOUT_DOC = """
+
+``timeout`` (keyword only; seconds or a ``datetime.timedelta``; None: the
+communicator's timeout): this call's own deadline, on this rank only (the
+other ranks keep theirs). Past it the call fails with
+:class:`~streamcoll.CollectiveTimeout` naming it and this timeout. A
+synchronous call raises it (on the CPU such a call runs on the comm
+thread while the caller waits up to the deadline; on CUDA it returns once
+enqueued and the watchdog gives its kernel this limit instead of the
+communicator's); with ``async_op=True`` the Work fails (``wait()`` without
+a timeout waits this long; the watchdog, this long plus 1 s). As past the
+communicator's timeout, the call is then declared stuck and the
+communicator failed: NCCL's is aborted; oneCCL's cannot be aborted, so its
+later calls raise at once while the stuck call stays inside the library
+(end the process to recover). Zero, negative, NaN, infinite, a string or
+a bool raise TypeError/ValueError naming ``timeout`` before any C call."""
+
+
+def doc_text(spec: CollectiveSpec) -> str:
+    """The docstring of a collective's methods and functions: its declared
+    doc, then what ``timeout=`` does."""
+    return spec.doc + TIMEOUT_DOC
 
 
 def call_text(spec: CollectiveSpec) -> str:
@@ -50,6 +79,7 @@ def call_text(spec: CollectiveSpec) -> str:
         parts.append("device_ids")
     elif spec.returns != "work_list":
         parts.append("stream=stream")
+    parts.append("timeout=timeout")
     return ", ".join(parts)
 
 

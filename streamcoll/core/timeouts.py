@@ -1,8 +1,9 @@
 """Timeout arguments, checked once for every caller.
 
 One home for every timeout conversion: the communicator's timeout and
-``destroy(timeout=)``, ``Work.wait(timeout)``, torch's option objects and
-process-group calls (:func:`torch_seconds`), ``_set_pg_timeout``.
+``destroy(timeout=)``, ``Work.wait(timeout)``, a collective's own
+``timeout=`` (:func:`per_call`), torch's option objects and process-group
+calls (:func:`torch_seconds`), ``_set_pg_timeout``.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-__all__ = ["DEFAULT_TIMEOUT", "env_timeout", "seconds", "torch_seconds"]
+__all__ = ["DEFAULT_TIMEOUT", "env_timeout", "seconds", "per_call", "torch_seconds"]
 
 DEFAULT_TIMEOUT = 600.0  # seconds, as torch.distributed's default for NCCL
 
@@ -47,6 +48,13 @@ def seconds(timeout: Union[None, float, timedelta], name: str = "timeout") -> fl
     if not t > 0 or t == float("inf"):
         raise ValueError(f"{name}: expected a positive number of seconds or a timedelta, got {timeout!r}")
     return t
+
+
+def per_call(timeout: Union[None, float, timedelta]) -> Optional[float]:
+    """A collective's own ``timeout=`` in seconds (positive, finite: the
+    checks of :func:`seconds`, naming ``timeout``); None: none given, the
+    communicator's applies."""
+    return None if timeout is None else seconds(timeout, "timeout")
 
 
 def torch_seconds(timeout: Any) -> Optional[float]:

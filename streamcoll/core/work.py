@@ -198,10 +198,11 @@ class Work:
 
     __slots__ = (
         "_comm", "_rt", "_lane", "_event", "_outputs", "_stash", "_future",
-        "_waited", "_here", "_awaiters", "seq", "op", "__weakref__",
+        "_waited", "_here", "_awaiters", "_limit", "seq", "op", "__weakref__",
     )
 
-    def __init__(self, comm, rt, lane, event, seq: int, op: str, outputs, stash, here: bool = False) -> None:
+    def __init__(self, comm, rt, lane, event, seq: int, op: str, outputs, stash, here: bool = False,
+                 limit: Optional[float] = None) -> None:
         self._comm = comm
         self._rt = rt
         self._lane = lane
@@ -212,6 +213,7 @@ class Work:
         self._waited = False
         self._here = here  # small CPU call: wait() without a timeout may run it (CpuRuntime.run_here)
         self._awaiters: Optional[Awaiters] = None  # asyncio awaits (``__await__``)
+        self._limit = limit  # the call's own timeout (seconds), None: the communicator's
         self.seq = seq
         self.op = op
 
@@ -255,31 +257,33 @@ class Work:
 
         On a GPU this does not block the host. On the CPU the current stream is
         the calling thread, so it blocks until the collective completed.
-        ``timeout`` (seconds or a timedelta; default: the communicator's)
+        ``timeout`` (seconds or a timedelta; default: the call's timeout,
+        that is the ``timeout=`` it was given, else the communicator's)
         bounds a host block, and past it :class:`~streamcoll.CollectiveTimeout`
         is raised. Which of two things happened is in the error
         (``stuck``) and its message: with a timeout shorter than the
-        communicator's, the call is only slow, the communicator stays usable
+        call's, the call is only slow, the communicator stays usable
         and waiting again may succeed (the watchdog declares it stuck once it
-        has run for the communicator's timeout); with the communicator's
+        has run for the call's timeout); with the call's
         timeout (or longer) the call is stuck, and the communicator is marked
         failed. A failed collective raises its error (:meth:`exception`).
         Posted p2p ops of other communicators are launched first.
         A small CPU call not started yet (the module docstring) is run here,
         on the calling thread, when no ``timeout`` is given: it then blocks as
         a synchronous call does, and the communicator's timeout is the
-        watchdog's, as for a synchronous call; pass a ``timeout`` for a
-        wait that raises instead.
+        watchdog's, as for a synchronous call; pass a ``timeout`` (or give
+        the call its own ``timeout=``) for a wait that raises instead.
         Returns True.
         """
         comm = self._comm
-        t = comm.timeout if timeout is None else _seconds(timeout)
+        t = (comm.timeout if self._limit is None else self._limit) if timeout is None else _seconds(timeout)
         if POSTING:
             launch_posted(comm)
         if comm._failed is not None:
             self._raise_if_failed()
         if self._here:  # a small CPU call, queued quietly: run it here, or start it
-            if timeout is None and self._rt.run_here(self._event):
+            # (not one given its own timeout: inline, the caller could not raise at its deadline)
+            if timeout is None and self._limit is None and self._rt.run_here(self._event):
                 if self._event.item.exc is not None or comm._failed is not None:
                     self._raise_if_failed()
                 self._waited = True  # _release(): a CPU Work stashes nothing
@@ -294,7 +298,7 @@ class Work:
     def synchronize(self, timeout: Optional[float] = None) -> None:
         """Block the host until the collective completed (CUDA: event synchronize)."""
         comm = self._comm
-        t = comm.timeout if timeout is None else _seconds(timeout)
+        t = (comm.timeout if self._limit is None else self._limit) if timeout is None else _seconds(timeout)
         if POSTING:
             launch_posted(comm)
         if comm._failed is not None:
@@ -308,17 +312,20 @@ class Work:
 
     def _timeout(self, t: float) -> CollectiveTimeout:
         """The error of a wait that ran out after ``t`` s: slow (shorter than
-        the communicator's timeout; nothing failed) or stuck (failed)."""
+        the call's timeout, its own or the communicator's; nothing failed)
+        or stuck (failed)."""
         comm = self._comm
-        if t < comm.timeout and comm._failed is None:
+        own = self._limit
+        limit, whose = (comm.timeout, "the communicator's timeout") if own is None else (own, "the call's own timeout")
+        if t < limit and comm._failed is None:
             shapes = [tuple(x.shape) for x in (self._outputs or ()) if isinstance(x, torch.Tensor)]
             return CollectiveTimeout(
                 self.op, self.seq, t, shapes, comm.rank, comm.size,
                 f"the call is still running (slow, not declared stuck): communicator {comm.name!r} stays "
                 f"usable and waiting again may succeed; it is declared stuck (and failed) once the call has "
-                f"run for the communicator's timeout ({comm.timeout:g} s)", stuck=False)
+                f"run for {whose} ({limit:g} s)", stuck=False)
         return comm._timed_out(self.op, self.seq, t, self._outputs,
-                               "declared stuck (the communicator's timeout passed): the communicator is failed")
+                               f"declared stuck ({whose}, {limit:g} s, passed): the communicator is failed")
 
     def _raise_if_failed(self) -> None:
         """Raise :meth:`_error`, if any: work of a failed communicator that
@@ -343,7 +350,8 @@ class Work:
         the communicator declared stuck). Cancelling the awaiting task
         (``asyncio.wait_for`` past its own deadline) leaves the collective
         running, as dropping a Work does; wait for it or await it again."""
-        return awaited(self, self.get_future, self._comm.timeout, self._timeout, self._finish).__await__()
+        return awaited(self, self.get_future, self._comm.timeout if self._limit is None else self._limit,
+                       self._timeout, self._finish).__await__()
 
     def _finish(self) -> List[torch.Tensor]:
         self.wait()
@@ -476,13 +484,13 @@ class PostedWork(Work):
         g = self._launched()
         if g is None:
             raise self._exc  # type: ignore[misc]
-        return g.wait(timeout)
+        return g.wait(self._limit if timeout is None else timeout)  # its own timeout=, else the group's
 
     def synchronize(self, timeout: Optional[float] = None) -> None:
         g = self._launched()
         if g is None:
             raise self._exc  # type: ignore[misc]
-        g.synchronize(timeout)
+        g.synchronize(self._limit if timeout is None else timeout)
 
     def get_future(self) -> torch.futures.Future:
         fut = self._future
@@ -524,7 +532,9 @@ class PostedWork(Work):
         g = self._group
         if g is None:
             raise self._exc  # type: ignore[misc]
-        return await awaited(self, self.get_future, self._comm.timeout, g._timeout, self._finish)
+        lim = self._limit if self._limit is not None else g._limit
+        return await awaited(self, self.get_future, self._comm.timeout if lim is None else lim, g._timeout,
+                             self._finish)
 
     def __repr__(self) -> str:
         if self.posted:

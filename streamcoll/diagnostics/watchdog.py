@@ -10,6 +10,12 @@ communicator's timeout:
 - it looks at each live communicator's flight recorder
   (:mod:`streamcoll.core.recorder`) every ``min(0.5 s, timeout / 10)``; a
   synchronous call is given ``timeout``, async work ``timeout + grace``;
+- a call given its own ``timeout=`` carries it in its flight entry
+  (``FlightEntry.limit``) and gets that limit instead; the pass interval
+  shrinks to ``min(0.5 s, limit / 10)`` while such a call is unfinished
+  (``Communicator._deadlines``, pruned here), and a new one wakes the thread
+  at once (:func:`deadline_issued`). A synchronous CPU call given one is
+  waited on by its caller, who raises first; the watchdog is its backstop;
 - on a hang it hands the communicator to :mod:`streamcoll.diagnostics.failure`
   (mark failed, dump, report, abort, and by default end the process);
 - each pass also starts the small CPU async calls queued quietly
@@ -41,8 +47,8 @@ from ..core.backends import BACKENDS
 from ..core.checks import WAITING
 from .._ffi.errors import CollectiveTimeout
 
-__all__ = ["EXIT_CODE", "register", "handle_timeout", "skip_native_teardown", "guard", "mode", "Watchdog",
-           "WATCHDOG", "running_calls"]
+__all__ = ["EXIT_CODE", "register", "deadline_issued", "handle_timeout", "skip_native_teardown", "guard", "mode",
+           "Watchdog", "WATCHDOG", "running_calls"]
 
 log = logging.getLogger("streamcoll.diagnostics.watchdog")
 
@@ -67,6 +73,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._wake = threading.Event()
+        self._sleeping = INTERVAL_S  # the interval of the wait in progress (deadline_issued compares)
         self.fired: List[str] = []
 
     def add(self, comm: Any) -> None:
@@ -83,7 +90,16 @@ class Watchdog:
 
     def _interval(self, comms: List[Any]) -> float:
         ts = [c.timeout for c in comms] + [g[2] for g in list(self._guards.values()) if not g[4]]
+        # the own timeouts of calls still unfinished (pruned by check once they finished)
+        ts += [t for c in comms if c.failure is None for t in list(c._deadlines.values())]
         return min([INTERVAL_S] + [max(0.05, t / 10) for t in ts])
+
+    def deadline_issued(self, comm: Any, limit: float) -> None:
+        """A call was issued with its own timeout of ``limit`` seconds: wake
+        the thread now if that needs a shorter interval than the one it
+        sleeps (its next interval counts the limit)."""
+        if max(0.05, limit / 10) < self._sleeping and self._thread is not None:
+            self._wake.set()
 
     def _loop(self) -> None:
         while True:
@@ -98,7 +114,8 @@ class Watchdog:
                     self.check(comms)
             except Exception as e:  # never let the watchdog die silently
                 log.error("streamcoll watchdog: internal error: %r", e)
-            self._wake.wait(self._interval(comms))
+            self._sleeping = self._interval(comms)
+            self._wake.wait(self._sleeping)
             self._wake.clear()
 
     def check(self, comms: List[Any]) -> None:
@@ -135,29 +152,37 @@ class Watchdog:
                 rs = fr.running_since
                 if rs is None or rs[0] != running.seq:
                     fr.running_since = (running.seq, now)
-                elif (now - rs[1]) / 1e9 > comm.timeout:  # no Work to wait on: no grace
-                    hung = (running, (now - rs[1]) / 1e9)
+                else:
+                    own = running.own_limit(rs[0])  # a call given its own timeout= (GPU host call, say)
+                    if (now - rs[1]) / 1e9 > (comm.timeout if own is None else own):  # no Work: no grace
+                        hung = (running, (now - rs[1]) / 1e9)
             if hung is None:
                 hung = overdue(comm, fr, watched(comm, fr, last), now, limit)
             if hung is not None:
                 self._fire(comm, *hung)
             elif comm.failure is None:
                 fr.resolve(comm, last)
+                _prune_deadlines(comm, fr)
 
     # -- on a hang ---------------------------------------------------------
     def _fire(self, comm: Any, e: Any, age: float) -> None:
         op, seq = e.op, e.seq
+        own = e.own_limit(seq)
+        t = comm.timeout if own is None else own
+        whose = "" if own is None else f", the call's own timeout=; the communicator's is {comm.timeout:g} s"
         shapes = _shapes(comm, e)
         m = mode()
-        exc = CollectiveTimeout(op, seq, comm.timeout, shapes, comm._rank, comm._size,
-                                f"detected by the watchdog after {age:.1f} s")
+        exc = CollectiveTimeout(op, seq, t, shapes, comm._rank, comm._size,
+                                f"detected by the watchdog after {age:.1f} s"
+                                + ("" if own is None else f" (its own timeout=; the communicator's is "
+                                                         f"{comm.timeout:g} s)"))
         comm.mark_failed(exc)
         path = dump_quietly(comm, f"watchdog: {op} #{seq} running for {age:.1f} s")
         lines = [
             "",
             f"streamcoll watchdog: {op} (sequence number {seq}) on communicator {comm.name!r} "
             f"({comm._backend.name}, {comm._device}) has not completed after {age:.1f} s "
-            f"(timeout {comm.timeout:g} s) on rank {comm._rank} of {comm._size}; tensor shapes {shapes}; "
+            f"(timeout {t:g} s{whose}) on rank {comm._rank} of {comm._size}; tensor shapes {shapes}; "
             f"strategy {'sync (inline)' if e.sync else 'async'}.",
             (f"  It has not entered {comm._backend.name}: {_waiting_note(e)}; look at that call first "
              "(the one stuck there)." if getattr(e, "behind", None) else
@@ -312,7 +337,8 @@ def watched(comm: Any, fr: Any, last: int) -> List[Any]:
 
 def overdue(comm: Any, fr: Any, cands: List[Any], now: int, limit: float) -> Optional[Tuple[Any, float]]:
     """(entry, age in s) of the first of ``cands`` still unfinished after
-    ``limit`` seconds, or None. Async entries found completed let go of
+    ``limit`` seconds (an entry of a call given its own timeout: that plus
+    :data:`GRACE_S`), or None. Async entries found completed let go of
     their events (not queried again)."""
     for e in cands:
         seq = e.seq  # before the state: the launch thread may reuse a sync entry's slot meanwhile
@@ -331,9 +357,25 @@ def overdue(comm: Any, fr: Any, cands: List[Any], now: int, limit: float) -> Opt
                 elif e.sync and e.event is not None:
                     e.event.seen = seq  # a reused slot has a new number: this marks only the old one
             continue
-        if age > limit:
+        own = e.own_limit(seq)
+        if age > (limit if own is None else own + GRACE_S):
             return e, age
     return None
+
+
+def _prune_deadlines(comm: Any, fr: Any) -> None:
+    """Forget the own timeouts (``Communicator._deadlines``) of calls that
+    finished, or that nothing watches (the ring no longer holds them; a
+    synchronous GPU call that got no completion event, ``STREAMCOLL_SYNC_EVENTS``),
+    so the pass interval grows back."""
+    d = comm._deadlines
+    if not d:
+        return
+    for sq in list(d):
+        e = fr.at(sq)
+        if (e is None or (e.sync and comm.is_gpu and e.event is None and sq <= fr.done)
+                or fr.state(comm, e) in (recorder.COMPLETED, recorder.FAILED)):
+            d.pop(sq, None)
 
 
 def _running_sync(comm: Any, last: int) -> Any:
@@ -430,6 +472,11 @@ def _report(msg: str) -> None:
 WATCHDOG = Watchdog()
 
 
+def deadline_issued(comm: Any, limit: float) -> None:
+    """A call was issued with its own timeout (``streamcoll.core.hooks.on_deadline``)."""
+    WATCHDOG.deadline_issued(comm, limit)
+
+
 def register(comm: Any) -> None:
     """Watch ``comm`` (called by ``Communicator.__init__``)."""
     ts = comm._backend.turnstile
@@ -465,5 +512,6 @@ def guard(what: str, timeout: float, detail: Any = ""):
 # ------------------------------------------------------- attached to the core
 # (streamcoll.core.hooks: the communicator never imports this module)
 _hooks.on_create.append(register)
+_hooks.on_deadline.append(deadline_issued)
 _hooks.on_timeout = handle_timeout
 _hooks.teardown_guard = skip_native_teardown

@@ -19,9 +19,10 @@ comm stream), the collective with an event slot, and ``join_`` (what
 
 Limits: launch and ``wait()`` of one async collective belong in the same
 compiled region; one compiled function must not run concurrently in two
-threads; ``stream=`` is not supported inside a compiled region. How fork and
-join keep functionalization from moving reads and writes, and each limit's
-reason: docs/design.md, section 'torch.compile's custom ops'.
+threads; ``stream=`` and ``timeout=`` are not supported inside a compiled
+region (NotImplementedError: the ops carry neither). How fork and join keep
+functionalization from moving reads and writes, and each limit's reason:
+docs/design.md, section 'torch.compile's custom ops'.
 """
 # No ``from __future__ import annotations`` here: torch.library.custom_op
 # infers each op's schema from its annotations, and torch 2.4 rejects string
@@ -325,6 +326,7 @@ def _sources(s: _spec.CollectiveSpec) -> Tuple[str, List[str]]:
             f'    """``streamcoll.{s.name}`` as custom ops (what it does under torch.compile)."""',
             "    _compile_gate()",
             f"    _no_stream(stream, {s.name!r})",
+            f"    _no_timeout(timeout, {s.name!r})",
             "    cid = comm_id(group)"]
     if red:
         src += ["    name, factor = _op_parts(op)"]
@@ -492,6 +494,13 @@ def _no_stream(stream: Any, name: str) -> None:
                                   "use the current stream (stream=None)")
 
 
+def _no_timeout(timeout: Any, name: str) -> None:
+    if timeout is not None:
+        raise NotImplementedError(f"{name}(timeout=...) is not supported inside torch.compile (the custom ops "
+                                  "carry no deadline); call it outside the compiled region, or use the "
+                                  "communicator's timeout (timeout=None)")
+
+
 def _start(cid: int, tensors: List[_Tensor]) -> Tuple[int, int, int]:
     """fork: returns (event slot, current stream index, comm stream index)."""
     cur = stream_index("current", cid)
@@ -500,9 +509,11 @@ def _start(cid: int, tensors: List[_Tensor]) -> Tuple[int, int, int]:
     return new_event_slot(), cur, cs
 
 
-def barrier(group: Optional[Communicator] = None, async_op: bool = False, device_ids: Any = None) -> None:
+def barrier(group: Optional[Communicator] = None, async_op: bool = False, device_ids: Any = None,
+            timeout: Any = None) -> None:
     """Inside a compiled region barrier is synchronous (``async_op`` is ignored)."""
     _compile_gate()
+    _no_timeout(timeout, "barrier")
     torch.ops.streamcoll.barrier(comm_id(group))
     return None
 

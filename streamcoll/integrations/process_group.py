@@ -21,7 +21,11 @@ cuda tensors to NCCL, xpu tensors to oneCCL.
 
 ``opts.asyncOp`` False (``dist.all_reduce(t)``) launches on the current
 stream, as streamcoll's own ``async_op=False`` does; True (``async_op=True``,
-DDP's buckets) uses the comm-stream strategy. Collectives torch has that
+DDP's buckets) uses the comm-stream strategy. ``opts.timeout``, where set
+(torch's option objects leave it unset, -1 ms; zero or negative count as
+unset), is the call's own ``timeout=`` (a per-call deadline, see the
+collectives' docstrings); a barrier's keeps its own meaning
+(:meth:`ProcessGroupStreamcoll.barrier`). Collectives torch has that
 streamcoll does not implement raise NotImplementedError naming them.
 """
 from __future__ import annotations
@@ -360,7 +364,7 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         c = self._comm(tensors[0], "tensors[0]")
         return self._grouped(c, "allreduce_coalesced", list(tensors), opts,
-                             [functools.partial(c.all_reduce, t, op) for t in tensors])
+                             [functools.partial(c.all_reduce, t, op, timeout=_opts_limit(opts)) for t in tensors])
 
     def all_gather_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                     opts: Any = None) -> StreamcollWork:
@@ -369,7 +373,8 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
             return self._work(None, [], "all_gather_single_coalesced")
         c = self._comm(inputs[0], "inputs[0]")
         return self._grouped(c, "all_gather_single_coalesced", list(outputs), opts,
-                             [functools.partial(c.all_gather_into_tensor, o, i) for o, i in zip(outputs, inputs)])
+                             [functools.partial(c.all_gather_into_tensor, o, i, timeout=_opts_limit(opts))
+                              for o, i in zip(outputs, inputs)])
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
 
@@ -381,7 +386,8 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         c = self._comm(inputs[0], "inputs[0]")
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         return self._grouped(c, "reduce_scatter_single_coalesced", list(outputs), opts,
-                             [functools.partial(c.reduce_scatter_tensor, o, i, op) for o, i in zip(outputs, inputs)])
+                             [functools.partial(c.reduce_scatter_tensor, o, i, op, timeout=_opts_limit(opts))
+                              for o, i in zip(outputs, inputs)])
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
@@ -546,6 +552,18 @@ def _root(opts: Any) -> int:
     return opts.rootRank
 
 
+# What torch's option objects hold while no timeout was set (-1 ms): unset, as None, zero and negative are.
+_UNSET = dist.AllreduceOptions().timeout
+
+
+def _opts_limit(opts: Any) -> Optional[float]:
+    """``opts.timeout`` in seconds where torch's option object has one set
+    (the call's own deadline), else None (the communicator's timeout); an
+    overload passing a ReduceOp or a root rank instead of options has none."""
+    t = getattr(opts, "timeout", None)
+    return None if t is None or t == _UNSET else torch_seconds(t)
+
+
 def _timed(work: StreamcollWork, timeout: Any) -> StreamcollWork:
     """``work`` whose ``wait()`` without a timeout of its own waits ``timeout``
     (the C++ overloads' ``timeout`` argument; None: the communicator's)."""
@@ -597,6 +615,8 @@ def _pg_source(s: Any) -> List[str]:
     args = ", ".join(p.name for p in s.params if p.name in m)
     timed = bool(re.search(r"\btimeout\b", s.pg_params))
     if s.async_mode != "always":
+        # opts.timeout, where set: the call's own deadline (_opts_limit inline: no frame while unset)
+        lines.insert(len(lines) - 1, "    _lim = None if getattr(opts, 'timeout', _UNSET) == _UNSET else _opts_limit(opts)")
         # The usual call, in one frame of ours besides the communicator's
         # generated fast path: the group is usable and not
         # coalescing, the tensor's device type already has its communicator
@@ -607,14 +627,14 @@ def _pg_source(s: Any) -> List[str]:
                      f"else self._fast_accel({dev})) is not None:\n"
                      f"        self._last_comm = c\n"
                      f"        w = _Work()\n"
-                     f"        w._work = c.{s.name}({args}, getattr(opts, 'asyncOp', True))\n"
+                     f"        w._work = c.{s.name}({args}, getattr(opts, 'asyncOp', True), timeout=_lim)\n"
                      f"        w._outputs = {outs}\n"
                      f"        w._op = {s.pg[0]!r}\n"
                      + (f"        return w if timeout is None else _timed(w, timeout)" if timed else "        return w"))
     if s.async_mode == "always":
         call = f"self._work(c.{s.name}({args}), {outs}, {s.pg[0]!r})"
     else:
-        call = f"self._run(c, {s.pg[0]!r}, {outs}, opts, lambda a: c.{s.name}({args}, a))"
+        call = f"self._run(c, {s.pg[0]!r}, {outs}, opts, lambda a: c.{s.name}({args}, a, timeout=_lim))"
     if timed:
         call = f"_timed({call}, timeout)"
     lines.append(f"    return {call}")
@@ -629,6 +649,7 @@ def _install_pg_methods() -> None:
         filename = f"<streamcoll generated ProcessGroupStreamcoll.{s.pg[0]}>"
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
         ns: Dict[str, Any] = {"_one": _one, "_op": _op, "_root": _root, "_nonempty": _nonempty, "_timed": _timed,
+                              "_UNSET": _UNSET, "_opts_limit": _opts_limit,
                               "_Tensor": torch.Tensor, "_Work": StreamcollWork,
                               "_SUM": dist.ReduceOp.SUM, "_ROPTS": _ROPTS, "_RTOPTS": _RTOPTS}
         exec(compile(src, filename, "exec"), ns)

@@ -39,7 +39,7 @@ def test_every_collective_is_declared_once_and_everything_derives_from_it():
     for name, s in spec.TABLE.items():
         m = getattr(Communicator, name)
         f = getattr(streamcoll, name)
-        assert m.__doc__ == s.doc and f.__doc__.startswith(s.doc)
+        assert m.__doc__ == source_text.doc_text(s) and f.__doc__.startswith(source_text.doc_text(s))
         mp = [p for p in inspect.signature(m).parameters if p != "self"]
         fp = [p for p in inspect.signature(f).parameters if p != "group"]
         assert mp == fp, name  # the method and the module function take the same arguments
@@ -52,10 +52,11 @@ def test_every_collective_is_declared_once_and_everything_derives_from_it():
     assert set(debug.CHECKED) == {n for n, s in spec.TABLE.items() if not s.p2p} | {"split"}
     # torch.distributed's argument order and defaults
     assert str(inspect.signature(streamcoll.all_reduce)) == \
-        "(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, stream=None)"
-    assert str(inspect.signature(streamcoll.send)) == "(tensor, dst, group=None, tag=0, *, stream=None)"
+        "(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, stream=None, timeout=None)"
+    assert str(inspect.signature(streamcoll.send)) == "(tensor, dst, group=None, tag=0, *, stream=None, timeout=None)"
     assert str(inspect.signature(streamcoll.gather)) == \
-        "(tensor, gather_list=None, dst=0, group=None, async_op=False, *, stream=None)"
+        "(tensor, gather_list=None, dst=0, group=None, async_op=False, *, stream=None, timeout=None)"
+    assert str(inspect.signature(streamcoll.barrier)) == "(group=None, async_op=False, device_ids=None, *, timeout=None)"
 
 
 @pytest.mark.parametrize("lib", ["nccl", "oneccl"])
