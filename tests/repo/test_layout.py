@@ -20,22 +20,29 @@ PKG = os.path.join(ROOT, "streamcoll")
 MAX_LINES = 800
 
 
-def _modules() -> Dict[str, str]:
+def _modules(root: str = ROOT) -> Dict[str, str]:
     """Dotted module name -> file, for every .py and .pyi of the package
-    (a stub stands in for its module: it is what type checkers read)."""
+    under ``root``: the module's .py, its stub where it has no .py. A stub
+    beside its module is read with it (:func:`_sources`): what type checkers
+    read and what runs are both the module's imports."""
     out: Dict[str, str] = {}
-    for d, dirs, files in os.walk(PKG):
+    for d, dirs, files in os.walk(os.path.join(root, "streamcoll")):
         dirs[:] = sorted(x for x in dirs if x != "__pycache__")
         for f in sorted(files):
             if not f.endswith((".py", ".pyi")):
                 continue
-            rel = os.path.relpath(os.path.join(d, f), ROOT)
+            rel = os.path.relpath(os.path.join(d, f), root)
             name = rel.rsplit(".", 1)[0].replace(os.sep, ".")
             if name.endswith(".__init__"):
                 name = name[: -len(".__init__")]
-            if f.endswith(".pyi") or name not in out:
+            if f.endswith(".py") or name not in out:
                 out[name] = os.path.join(d, f)
     return out
+
+
+def _sources(path: str) -> List[str]:
+    """``path`` and, for a .py with a stub beside it, the stub."""
+    return [path] + ([path + "i"] if path.endswith(".py") and os.path.exists(path + "i") else [])
 
 
 def test_no_module_is_over_800_lines():
@@ -61,9 +68,11 @@ def _graph(mods: Dict[str, str]) -> Dict[str, Set[str]]:
     g: Dict[str, Set[str]] = {m: set() for m in mods}
     for m, path in mods.items():
         package = m if os.path.basename(path).startswith("__init__.") else m.rsplit(".", 1)[0]
-        with open(path, encoding="utf-8") as fh:
-            tree = ast.parse(fh.read(), path)
-        for n in _imports(tree):
+        nodes: List[ast.stmt] = []
+        for src in _sources(path):
+            with open(src, encoding="utf-8") as fh:
+                nodes += _imports(ast.parse(fh.read(), src))
+        for n in nodes:
             if isinstance(n, ast.Import):
                 targets = [a.name for a in n.names]
             else:
@@ -233,6 +242,25 @@ def test_the_checks_fail_on_a_back_up_arrow_and_a_circle_made_in_a_function(tmp_
     assert "streamcoll.core.validation" in g["streamcoll.core.ops"]
 
 
+def test_the_checks_read_a_module_beside_its_stub(tmp_path):
+    """A module with a stub (collectives.py, core/_methods.py) is checked by
+    its own imports too, not only by its stub's: a back-up arrow made in
+    core/_methods.py and a circle closed through collectives.py are seen."""
+    g = _graph(_modules())
+    assert {"streamcoll.startup.bootstrap", "streamcoll.integrations.custom_ops"} <= g["streamcoll.collectives"]
+    import shutil
+    shutil.copytree(PKG, tmp_path / "streamcoll", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tmp_path / "streamcoll" / "core" / "_methods.py", "a") as f:
+        f.write("\n\ndef _late():\n    from ..diagnostics import watchdog\n")
+    with open(tmp_path / "streamcoll" / "diagnostics" / "flight.py", "a") as f:
+        f.write("\n\ndef _late():\n    from .. import collectives\n")
+    with open(tmp_path / "streamcoll" / "collectives.py", "a") as f:
+        f.write("\n\ndef _late():\n    from .diagnostics import flight\n")
+    g = _graph(_modules(str(tmp_path)))
+    assert "streamcoll.diagnostics.watchdog" in g["streamcoll.core._methods"]
+    assert any({"streamcoll.collectives", "streamcoll.diagnostics.flight"} <= set(c) for c in _circles(g))
+
+
 SUBPACKAGES = ["streamcoll._ffi", "streamcoll.core", "streamcoll.diagnostics", "streamcoll.startup",
                "streamcoll.integrations"]
 
@@ -254,8 +282,9 @@ def test_no_issue_numbers_in_the_library():
     import re
     found = []
     for m, path in _modules().items():
-        with open(path, encoding="utf-8") as fh:
-            for i, line in enumerate(fh, 1):
-                if re.search(r"\bissues? #?\d+", line, re.IGNORECASE):
-                    found.append(f"{os.path.relpath(path, ROOT)}:{i}")
+        for src in _sources(path):
+            with open(src, encoding="utf-8") as fh:
+                for i, line in enumerate(fh, 1):
+                    if re.search(r"\bissues? #?\d+", line, re.IGNORECASE):
+                        found.append(f"{os.path.relpath(src, ROOT)}:{i}")
     assert found == [], f"issue numbers in library code: {found}"
