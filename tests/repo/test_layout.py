@@ -14,6 +14,8 @@ import subprocess
 import sys
 from typing import Dict, List, Set
 
+import pytest
+
 from conftest import ROOT
 
 PKG = os.path.join(ROOT, "streamcoll")
@@ -212,6 +214,39 @@ def test_observers_attach_whichever_module_is_imported_first():
     p = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "streamcoll.flight", "--help"],
                        env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "RuntimeWarning" not in p.stderr, p.stderr[-3000:]
+
+
+_HALF = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == sys.argv[1]:
+            raise ImportError("blocked: " + name)
+sys.meta_path.insert(0, Block())
+try:
+    import streamcoll
+    raise SystemExit("import streamcoll did not fail")
+except ImportError:
+    pass
+# what a failed package import leaves importable (sys.modules keeps the submodules it loaded)
+from streamcoll.core.communicator import Communicator
+from streamcoll.core import hooks
+print(len(hooks.on_create), len(hooks.on_dump), hooks.on_timeout.__name__, hooks.teardown_guard.__name__)
+"""
+
+
+@pytest.mark.parametrize("fails", ["streamcoll.startup.launchers", "streamcoll.collectives",
+                                   "streamcoll.integrations.process_group"])
+def test_a_package_import_failing_halfway_leaves_no_core_without_its_observers(fails):
+    """``import streamcoll`` failing after the core loaded (a module of a
+    higher layer fails on this torch) leaves the core in ``sys.modules``:
+    ``from streamcoll.core.communicator import Communicator`` then works
+    without the package. The observers attach before anything above them
+    can fail, so such a core is never unwatched."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", _HALF, fails], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["1", "1", "handle_timeout", "skip_native_teardown"], (fails, p.stdout)
 
 
 def _plant(tmp_path, files: Dict[str, str]) -> Dict[str, str]:
