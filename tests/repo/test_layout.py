@@ -296,6 +296,71 @@ def test_the_checks_read_a_module_beside_its_stub(tmp_path):
     assert any({"streamcoll.collectives", "streamcoll.diagnostics.flight"} <= set(c) for c in _circles(g))
 
 
+_DOTTED = r"(?<![\w.])streamcoll(?:\.[A-Za-z_]\w*)+"
+
+
+def _name_problem(name: str) -> str:
+    """Why the dotted ``name`` does not resolve, walked as Python does:
+    attributes of the package, a submodule imported where the attribute is
+    not there; "" when it does. A module must come from this checkout: an
+    editable install of another checkout (its finder answers for any
+    ``streamcoll.x`` this one lacks) would resolve a name of the old layout
+    to that checkout's file."""
+    import importlib.util
+    parts = name.split(".")
+    obj: object = importlib.import_module(parts[0])
+    for i in range(1, len(parts)):
+        if hasattr(obj, parts[i]):
+            obj = getattr(obj, parts[i])
+            continue
+        prefix = ".".join(parts[: i + 1])
+        spec = importlib.util.find_spec(prefix) if hasattr(obj, "__path__") else None  # a package's submodule
+        if spec is None:
+            return f"{'.'.join(parts[:i])} has no {parts[i]!r}"
+        if not os.path.abspath(spec.origin or "").startswith(PKG + os.sep):  # looked up, not run
+            return f"{prefix} is {spec.origin}, not this checkout's"
+        obj = importlib.import_module(prefix)
+    return ""
+
+
+def test_every_dotted_name_of_the_package_resolves():
+    """Every ``streamcoll.x.y`` written in the package (docstrings, comments,
+    code), the tests, the docs, the examples, the benchmarks and the scripts
+    names a module or an attribute that exists: a rename the layout's
+    rewrite missed or mangled is found here. Logger names that are not
+    modules (``streamcoll.shm``) and torch's op namespace (``torch.ops.streamcoll``)
+    are not module names."""
+    import re
+    loggers = set()
+    where: Dict[str, str] = {}
+    for top in ("streamcoll", "tests", "docs", "examples", "benchmarks", "scripts"):
+        for d, dirs, files in os.walk(os.path.join(ROOT, top)):
+            dirs[:] = [x for x in dirs if x not in ("__pycache__", "results")]
+            for f in files:
+                if not f.endswith((".py", ".pyi", ".md", ".sh", ".h")):
+                    continue
+                path = os.path.join(d, f)
+                if os.path.samefile(path, __file__):
+                    continue  # its own examples of names that do not resolve
+                with open(path, encoding="utf-8") as fh:
+                    text = fh.read()
+                loggers.update(re.findall(r"getLogger\(\"(streamcoll[\w.]*)\"\)", text))
+                for m in re.finditer(_DOTTED, text):
+                    where.setdefault(m.group(0), os.path.relpath(path, ROOT))
+    for f in ("README.md", "streamcoll_autoload.py"):
+        with open(os.path.join(ROOT, f), encoding="utf-8") as fh:
+            text = fh.read()
+        loggers.update(re.findall(r"getLogger\(\"(streamcoll[\w.]*)\"\)", text))
+        for m in re.finditer(_DOTTED, text):
+            where.setdefault(m.group(0), f)
+    assert "streamcoll.core.hooks" in where and "streamcoll.diagnostics.watchdog.handle_timeout" in where  # read
+    bad = sorted(f"{n} ({where[n]}): {_name_problem(n)}" for n in where
+                 if n not in loggers and _name_problem(n))
+    assert bad == [], "dotted names that do not resolve:\n" + "\n".join(bad)
+    assert _name_problem("streamcoll.diagnostics.watchdg.register") and _name_problem("streamcoll.core.hooks.on_crate")
+    assert _name_problem("streamcoll.debug.signatures_for")  # the flat layout's name (core/checks.py now)
+
+
 SUBPACKAGES = ["streamcoll._ffi", "streamcoll.core", "streamcoll.diagnostics", "streamcoll.startup",
                "streamcoll.integrations"]
 
