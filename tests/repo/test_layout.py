@@ -66,6 +66,27 @@ def _imports(tree: ast.Module) -> List[ast.stmt]:
     return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
 
 
+def _dynamic_imports(tree: ast.Module) -> List[str]:
+    """The modules a module imports by name at run time:
+    ``importlib.import_module("streamcoll.x")`` and ``__import__(...)`` with
+    a literal name, or an f-string's literal start
+    (``f"streamcoll._ffi.{name}"`` imports a module of ``streamcoll._ffi``)."""
+    out = []
+    for n in ast.walk(tree):
+        if not (isinstance(n, ast.Call) and n.args):
+            continue
+        f = n.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        if name not in ("import_module", "__import__"):
+            continue
+        a = n.args[0]
+        if isinstance(a, ast.Constant) and isinstance(a.value, str):
+            out.append(a.value)
+        elif isinstance(a, ast.JoinedStr) and a.values and isinstance(a.values[0], ast.Constant):
+            out.append(str(a.values[0].value).rstrip("."))
+    return out
+
+
 def _graph(mods: Dict[str, str]) -> Dict[str, Set[str]]:
     g: Dict[str, Set[str]] = {m: set() for m in mods}
     for m, path in mods.items():
@@ -73,7 +94,10 @@ def _graph(mods: Dict[str, str]) -> Dict[str, Set[str]]:
         nodes: List[ast.stmt] = []
         for src in _sources(path):
             with open(src, encoding="utf-8") as fh:
-                nodes += _imports(ast.parse(fh.read(), src))
+                tree = ast.parse(fh.read(), src)
+            nodes += _imports(tree)
+            # an import by name (importlib) ties the modules as a statement does
+            g[m].update(t for t in _dynamic_imports(tree) if t in mods and t != m)
         for n in nodes:
             if isinstance(n, ast.Import):
                 targets = [a.name for a in n.names]
@@ -275,6 +299,14 @@ def test_the_checks_fail_on_a_back_up_arrow_and_a_circle_made_in_a_function(tmp_
                              + "\n\nif False:\n    from .validation import check_op\n"})
     g = _graph(mods)
     assert "streamcoll.core.validation" in g["streamcoll.core.ops"]
+    # an import by name: importlib with a literal, or an f-string's literal start
+    mods = _plant(tmp_path, {"streamcoll/core/ops.py": open(_modules()["streamcoll.core.ops"]).read()
+                             + "\n\ndef _late(x):\n    import importlib\n"
+                             "    importlib.import_module('streamcoll.diagnostics.watchdog')\n"
+                             "    return importlib.import_module(f'streamcoll.startup.{x}')\n"})
+    g = _graph(mods)
+    assert {"streamcoll.diagnostics.watchdog", "streamcoll.startup"} <= g["streamcoll.core.ops"]
+    assert g["streamcoll.__main__"] >= {"streamcoll._ffi"}  # info's binding by name
 
 
 def test_the_checks_read_a_module_beside_its_stub(tmp_path):
@@ -374,7 +406,7 @@ def test_each_subpackage_says_its_job_in_two_lines_and_imports_nothing():
             tree = ast.parse(fh.read())
         doc = ast.get_docstring(tree) or ""
         assert 1 <= len(doc.splitlines()) <= 2, f"{sub}: its docstring says its job in two lines: {doc!r}"
-        assert _imports(tree) == [], f"{sub}/__init__.py imports"
+        assert _imports(tree) == [] and _dynamic_imports(tree) == [], f"{sub}/__init__.py imports"
 
 
 def test_no_issue_numbers_in_the_library():
