@@ -55,6 +55,8 @@ def test_the_sdist_carries_the_declarations_and_the_abi_check(built):
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     assert HEADERS <= names
     assert "native/abi_check.c" in names and "tests/binding/test_abi.py" in names
+    # the scripts the tests run (repo/test_mutation.py, repo/test_matrix_script.py)
+    assert {"scripts/mutation_check.py", "scripts/matrix_table.py", "scripts/matrix.sh"} <= names
 
 
 def _package_files():
