@@ -4,7 +4,7 @@ and node from whichever launcher started the process (streamcoll/startup/launche
 and finds rank 0 the launcher's way.
 
 ``--backend gloo`` runs the same job on torch.distributed's gloo under the
-same launcher (``streamcoll.startup.launchers.adopt()`` exports the launcher's ranks
+same launcher (``streamcoll.launchers.adopt()`` exports the launcher's ranks
 as torchrun's variables, so ``init_process_group``'s env:// works there too);
 tests/startup/test_launchers.py compares the two. Prints one JSON line per rank, with
 the seconds from the process's start to the end of its first collective.
@@ -34,7 +34,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--backend", default="streamcoll", choices=["streamcoll", "gloo"])
 backend = parser.parse_args().backend
 if backend == "gloo":
-    streamcoll.startup.launchers.adopt()
+    streamcoll.launchers.adopt()
     dist.init_process_group("gloo")
     rank, world, all_reduce, broadcast = dist.get_rank(), dist.get_world_size(), dist.all_reduce, dist.broadcast
 else:

@@ -12,6 +12,11 @@ Importing streamcoll loads no native library; they load on first use.
 """
 from __future__ import annotations
 
+# The observers of every communicator attach to the core when imported (streamcoll.core.hooks): the
+# watchdog (hangs, the start of quietly queued CPU calls) and torch-format flight dumps. First: an
+# import of a higher layer that fails (and leaves the core it loaded in sys.modules) cannot leave
+# that core without them.
+from .diagnostics import fr_torch, watchdog  # noqa: F401
 from .startup.bootstrap import (
     default_communicator,
     destroy,
@@ -65,9 +70,6 @@ from .integrations.grad_sync import GradientSync
 from .core.ops import PreMulSum, ReduceOp, premul_sum
 from .integrations.process_group import ProcessGroupStreamcoll, register_backend as _register_backend
 from .core.work import Work
-# The observers of every communicator attach to the core when imported (streamcoll.core.hooks): the
-# watchdog (hangs, the start of quietly queued CPU calls) and torch-format flight dumps.
-from .diagnostics import fr_torch, watchdog  # noqa: F401
 # public: streamcoll.launchers.adopt() (exports a launcher's ranks for torch.distributed; examples/launch_job.py)
 from .startup import launchers  # noqa: F401
 

@@ -128,7 +128,10 @@ def main(argv: List[str] | None = None) -> int:
     stale = []
     for fname, text in stubs().items():
         path = os.path.join(here, fname)
-        old = open(path).read() if os.path.exists(path) else None
+        old = None
+        if os.path.exists(path):
+            with open(path) as f:
+                old = f.read()
         if old != text:
             stale.append(fname)
             if not a.check:

@@ -4,7 +4,7 @@
  * Source: cuda_runtime_api.h and driver_types.h of CUDA 13.0 (the same text
  * in the nvidia-cuda-runtime-cu12 12.9 wheel: the cudaError enum of both is
  * identical, checked). Only what streamcoll's helper threads and the
- * synchronous-op completion events need (streamcoll/sync_events.py), not the
+ * synchronous-op completion events need (streamcoll/core/sync_events.py), not the
  * runtime API: torch owns devices, streams and memory. Trimmed to what
  * cffi's cdef parses (no attributes, no CUDARTAPI). tests/binding/test_abi.py
  * compiles native/abi_check.c against the real header and compares every

@@ -222,7 +222,7 @@ def new_communicator(
         """Before this rank's first library call: what cannot work fails here
         (every rank sees the same layout, so every rank raises: on rank 0
         inside the rendezvous, which hands the error to every rank), then the
-        settings for its place (topology.py says from what, env.py which
+        settings for its place (topology.py says from what, env_defaults.py which
         values; the must-agree ones were decided once, on rank 0)."""
         if b.name == "oneccl" and topo.name_clashes():
             raise CommunicatorError(f"init of communicator {cname!r}: {_clash_text(topo)}")

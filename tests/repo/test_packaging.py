@@ -55,3 +55,29 @@ def test_the_sdist_carries_the_declarations_and_the_abi_check(built):
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     assert HEADERS <= names
     assert "native/abi_check.c" in names and "tests/binding/test_abi.py" in names
+    # the scripts the tests run (repo/test_mutation.py, repo/test_matrix_script.py)
+    assert {"scripts/mutation_check.py", "scripts/matrix_table.py", "scripts/matrix.sh"} <= names
+
+
+def _package_files():
+    """Every file of the package in the source tree (what a fresh clone holds)."""
+    pkg = REPO / "streamcoll"
+    return {str(p.relative_to(REPO)) for p in pkg.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts and (p.suffix in (".py", ".pyi", ".h") or p.name == "py.typed")}
+
+
+def test_both_carry_every_file_of_every_subpackage(built):
+    """The stubs (collectives.pyi, core/_methods.pyi: what a user's type
+    checker reads), py.typed, the declarations and every module of each
+    subpackage: a subpackage or a data pattern left out of setup.cfg would
+    install a package that fails on import, or types as Any."""
+    sdist, wheel = built
+    want = _package_files()
+    assert {"streamcoll/core/_methods.pyi", "streamcoll/collectives.pyi", "streamcoll/py.typed",
+            "streamcoll/diagnostics/watchdog.py", "streamcoll/startup/launchers.py"} <= want
+    in_wheel = set(zipfile.ZipFile(wheel).namelist())
+    assert sorted(want - in_wheel) == []
+    assert sorted(n for n in in_wheel if n.startswith("streamcoll/") and n not in want) == []
+    with tarfile.open(sdist) as t:
+        in_sdist = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+    assert sorted(want - in_sdist) == []
