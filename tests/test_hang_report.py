@@ -504,6 +504,7 @@ if __name__ != "__main__":
                    f"{_evaluating(1, _line('HANG-EVALUATE'))}" in err, info
             assert f"rank 2 has not entered all_reduce #4: last completed #3 (all_reduce); " \
                    f"{_evaluating(2, _line('HANG-CHECKPOINT'), 'save_checkpoint')}" in err, info
+            assert "Likely cause: ranks 1, 2 have not reached this collective (who and where: below)." in err, info
             for r in (1, 2):
                 ranks.until_file(f"default.rank{r}.json")
             out = ranks.analyze()
@@ -697,6 +698,12 @@ if __name__ != "__main__":
         assert "rank 1 has passed all_reduce #4 (issued #6" in passed[1], passed
         err = hang_answer.report_lines(alarm, {}, 2, 2.0, error="the store did not answer (x)")
         assert err[1:] == ["  could not ask: the store did not answer (x)"], err
+        # the watchdog's "Likely cause" line
+        rep = hang_report.Report(alarm, {0: _answer(0, 4, [inside_this]), 1: _answer(1, 3, [inside_other]), 2: None,
+                                         3: _answer(3, 6)}, 4, 2.0, 2.0, None)
+        assert rep.cause() == ("rank 1 has not reached this collective; rank 3 went past it (another order of "
+                               "collectives); rank 2 did not answer (dead, or holding the GIL) (who and where: below)")
+        assert hang_report.Report(alarm, {1: None}, 2, 2.0, 2.0, "x").cause() is None
 
     def test_from_dumps_takes_each_ranks_own_answer_and_says_it_was_late():
         alarm = {"id": "A", "rank": 0, "communicator": "c", "size": 3, "op": "all_reduce", "seq": 4,

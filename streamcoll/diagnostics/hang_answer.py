@@ -44,7 +44,7 @@ from ..core.checks import WAITING
 from ..core.communicator import LIVE
 
 __all__ = ["attach", "locate", "threads_now", "answer_now", "report_lines", "from_dumps", "place", "calls_text",
-           "inside", "entered", "ranks_text"]
+           "inside", "entered", "kind", "ranks_text"]
 
 MAX_FRAMES = 64
 
@@ -270,6 +270,17 @@ def inside(a: Dict[str, Any], alarm: Dict[str, Any]) -> bool:
                for c in a.get("calls") or [])
 
 
+def kind(a: Optional[Dict[str, Any]], alarm: Dict[str, Any]) -> str:
+    """What answer ``a`` says of its rank and the alarm's collective:
+    ``silent`` (no answer), ``inside``, ``behind`` (has not entered it) or
+    ``past`` (issued it, and is not in it: another order of collectives)."""
+    if a is None:
+        return "silent"
+    if inside(a, alarm):
+        return "inside"
+    return "past" if entered(a, alarm) else "behind"
+
+
 def place(a: Dict[str, Any]) -> str:
     """Where answer ``a``'s main thread stands, as the report says it."""
     m = a.get("main") or {}
@@ -320,9 +331,10 @@ def report_lines(alarm: Dict[str, Any], answers: Dict[int, Optional[Dict[str, An
                     if late is not None else "")
             last = f"last completed #{a.get('last_completed')}" + (
                 f" ({a['last_completed_op']})" if a.get("last_completed_op") else "")
-            if inside(a, alarm):
+            k = kind(a, alarm)
+            if k == "inside":
                 key = (("is", "are"), f" inside {what} too" + (f"{when}; {place(a)}" if late is not None else ""))
-            elif not entered(a, alarm):
+            elif k == "behind":
                 key = (("has", "have"), f" not entered {what}{when}: {last}; {place(a)}; {calls_text(a)}")
             else:
                 key = (("has", "have"), f" passed {what}{when} (issued #{a.get('issued')}, {last}): the ranks "

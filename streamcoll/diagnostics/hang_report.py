@@ -103,7 +103,7 @@ from typing import Any, Dict, List, Optional
 
 from ..core import helper_threads, hooks as _hooks, recorder
 from ..core.communicator import LIVE
-from .hang_answer import answer_now, calls_text, entered, inside, place, ranks_text, report_lines
+from .hang_answer import answer_now, calls_text, inside, kind, place, ranks_text, report_lines
 
 __all__ = ["ENV", "DEFAULT_S", "budget_s", "after_pass", "gather", "Report", "requests_made", "keys", "poll_period",
            "round_period", "wait_s"]
@@ -532,20 +532,14 @@ class Report:
 
     def cause(self) -> Optional[str]:
         """One sentence naming the ranks the report blames (None: none)."""
-        out: List[str] = []
-        silent: List[int] = []
-        behind: List[int] = []
-        past: List[int] = []
-        for r in range(self.size):
-            if r == self.alarm.get("rank"):
-                continue
-            a = self.answers.get(r)
-            if a is None:
-                silent.append(r)
-            elif not inside(a, self.alarm):
-                (past if entered(a, self.alarm) else behind).append(r)
         if self.error:
             return None
+        by: Dict[str, List[int]] = {"silent": [], "inside": [], "behind": [], "past": []}
+        for r in range(self.size):
+            if r != self.alarm.get("rank"):
+                by[kind(self.answers.get(r), self.alarm)].append(r)
+        out: List[str] = []
+        behind, past, silent = by["behind"], by["past"], by["silent"]
         if behind:
             out.append(f"{ranks_text(behind)} {'has' if len(behind) == 1 else 'have'} not reached this collective")
         if past:
