@@ -38,6 +38,11 @@ TABLE: Tuple[EnvVar, ...] = (
     EnvVar("STREAMCOLL_WATCHDOG", "streamcoll", "exit",
            "`exit`: end a process whose call outlives the timeout (code 86); `fail`: mark the "
            "communicator failed only; `off`: no watchdog; may differ between ranks (what this rank does then)"),
+    EnvVar("STREAMCOLL_HANG_REPORT_S", "streamcoll", "2",
+           "seconds a rank whose collective timed out waits for the other ranks' answers to its hang report "
+           "(who has not entered the collective, and where: docs/failures.md); `0`: no hang reports (no alarm, "
+           "no polling, no extra store connection); may differ between ranks (a rank with `0` neither asks nor "
+           "answers: the others name it as not answering)"),
     EnvVar("STREAMCOLL_FLIGHT_DIR", "streamcoll", "$XDG_RUNTIME_DIR/streamcoll-flight or <tmp>/streamcoll-flight-<uid>",
            "where flight-record dumps go (files of mode 0600). The default directory is this user's, made "
            "0700; one that is a link, not a directory or another user's is refused with a warning, and the "

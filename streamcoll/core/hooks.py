@@ -33,6 +33,10 @@ when a call is given its own ``timeout=`` (the general path).
 - :data:`on_dump`: called with ``(communicator, reason)`` after its flight
   record was written (:func:`streamcoll.core.recorder.dump`): torch's format
   too where torch's variables ask for it (:mod:`streamcoll.diagnostics.fr_torch`).
+- :data:`on_snapshot`: called with ``(communicator, record)`` when its flight
+  record is taken (:func:`streamcoll.core.recorder.snapshot`, behind every
+  dump); an observer may add fields to ``record``: the hang report's answer,
+  thread stacks and report (:mod:`streamcoll.diagnostics.hang_report`).
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ from typing import Any, Callable, List
 
 from .._ffi.errors import CollectiveTimeout
 
-__all__ = ["on_create", "on_timeout", "teardown_guard", "on_deadline", "on_dump"]
+__all__ = ["on_create", "on_timeout", "teardown_guard", "on_deadline", "on_dump", "on_snapshot"]
 
 
 def _unattached(slot: str) -> Callable[..., Any]:
@@ -55,3 +59,4 @@ on_timeout: Callable[..., CollectiveTimeout] = _unattached("on_timeout")
 teardown_guard: Callable[[], Any] = _unattached("teardown_guard")
 on_deadline: List[Callable[[Any, float], None]] = []
 on_dump: List[Callable[[Any, str], None]] = []
+on_snapshot: List[Callable[[Any, dict], None]] = []

@@ -296,7 +296,7 @@ def snapshot(comm: Any, reason: str = "") -> dict:
     now = now_ns()
     failed = comm._failed
     es = fr.entries()
-    return {
+    d = {
         "format": "streamcoll-flight",
         "version": FORMAT_VERSION,
         "communicator": comm.name,
@@ -316,6 +316,9 @@ def snapshot(comm: Any, reason: str = "") -> dict:
         "capacity": fr.capacity,
         "entries": [_entry_json(comm, fr, e, now, _seen(comm, e)) for e in es],
     }
+    for h in list(_hooks.on_snapshot):  # fields an observer adds (streamcoll.diagnostics.hang_report)
+        h(comm, d)
+    return d
 
 
 def _seen(comm: Any, e: Any) -> Optional[int]:

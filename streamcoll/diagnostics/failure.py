@@ -25,9 +25,9 @@ from typing import Any, List
 
 from ..core import recorder
 from .._ffi.errors import CollectiveTimeout
-from . import shm_regions
+from . import hang_report, shm_regions
 
-__all__ = ["EXIT_CODE", "mode", "handle_timeout", "skip_native_teardown"]
+__all__ = ["EXIT_CODE", "mode", "handle_timeout", "skip_native_teardown", "who_and_where"]
 
 log = logging.getLogger("streamcoll.diagnostics.watchdog")  # the watchdog's reports: one logger
 
@@ -80,15 +80,36 @@ def handle_timeout(comm: Any, op: str, seq: int, timeout: float, shapes: list,
     if first:
         # Mark first: the dump then says "failed", and other threads' calls raise at once.
         comm.mark_failed(CollectiveTimeout(op, seq, timeout, shapes, comm._rank, comm._size))
+    report = None
+    if first:
+        try:
+            report = who_and_where(comm, op, seq)  # the other ranks asked: before the dump, which holds it
+        except BaseException:
+            after_failure(comm)  # interrupted while it waited for the answers: the exit is made safe all the same
+            raise
     path = dump_quietly(comm, f"timeout of {op} #{seq}") if first else None
     detail = (detail + "; " if detail else "") + what_to_do(comm)
     if path:
         detail += f"; flight record: {path} (python -m streamcoll.flight analyze {os.path.dirname(path)})"
+    if report is not None:
+        detail += "\n" + report.text("  ")
     exc = CollectiveTimeout(op, seq, timeout, shapes, comm._rank, comm._size, detail)
     if first:
         comm.mark_failed(exc, replace=True)  # the detailed error replaces the placeholder set above
         after_failure(comm)
     return exc
+
+
+def who_and_where(comm: Any, op: str, seq: int) -> Any:
+    """The hang report of ``op`` #``seq`` timing out on ``comm``
+    (:func:`streamcoll.diagnostics.hang_report.gather`: every rank asked
+    through the store, a bounded wait), or None (off, one rank, or it
+    failed: the timeout itself is what must be reported)."""
+    try:
+        return hang_report.gather(comm, op, seq)
+    except Exception as e:  # noqa: BLE001
+        log.debug("streamcoll watchdog: hang report of %r failed: %r", comm.name, e)
+        return None
 
 
 def after_failure(comm: Any) -> None:

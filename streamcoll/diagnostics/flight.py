@@ -61,11 +61,12 @@ class Finding:
     def __init__(self, communicator: str, kind: str, collective_seq: Optional[int], seqs: Dict[int, int],
                  ranks: Sequence[int], message: str) -> None:
         self.communicator = communicator
-        self.kind = kind  # "never_arrived", "mismatch", "stuck", "missing_dump"
+        self.kind = kind  # "never_arrived", "mismatch", "stuck", "missing_dump", "hang_report"
         self.collective_seq = collective_seq
         self.seqs = dict(seqs)  # rank -> that rank's sequence number for it
         self.ranks = list(ranks)  # the ranks at fault
         self.message = message
+        self.hang: Optional[dict] = None  # the hang report's alarm and lines, where a dump holds one
 
     @property
     def seq(self) -> Optional[int]:
@@ -76,7 +77,7 @@ class Finding:
     def as_dict(self) -> dict:
         return {"communicator": self.communicator, "kind": self.kind, "collective_seq": self.collective_seq,
                 "seq": self.seq, "seqs": {str(k): v for k, v in self.seqs.items()}, "ranks": self.ranks,
-                "message": self.message}
+                "message": self.message, "hang_report": self.hang}
 
     def __repr__(self) -> str:
         return f"Finding({self.kind}, seq={self.seq}, ranks={self.ranks})"
@@ -253,8 +254,31 @@ def analyze(dumps_or_paths: Sequence[Any]) -> List[Finding]:
         for d in ds:
             if d["rank"] not in latest or d["dumped_at"] >= latest[d["rank"]]["dumped_at"]:
                 latest[d["rank"]] = d
-        findings += _analyze_group(name, list(latest.values()))
+        found = _analyze_group(name, list(latest.values()))
+        _with_hang_report(name, list(latest.values()), found)
+        findings += found
     return findings
+
+
+def _with_hang_report(name: str, dumps: List[dict], found: List[Finding]) -> None:
+    """Where a dump holds a hang report (:mod:`streamcoll.diagnostics.hang_report`, read by
+    :func:`streamcoll.diagnostics.hang_answer.from_dumps`):
+    its lines, with each rank's own answer (also one that came after the
+    report), under the communicator's first problem (a finding of its own
+    if the records show none)."""
+    from .hang_answer import from_dumps
+    got = from_dumps(dumps)
+    if got is None:
+        return
+    alarm, lines = got
+    main = next((f for f in found if f.kind != "missing_dump"), None)
+    if main is None:
+        main = Finding(name, "hang_report", alarm.get("collective_seq"), {}, [],
+                       f"communicator {name!r}: rank {alarm.get('rank')} timed out in {alarm.get('op')} "
+                       f"(sequence number {alarm.get('seq')})")
+        found.append(main)
+    main.message += "\n  " + "\n  ".join(lines)
+    main.hang = {"alarm": alarm, "lines": lines}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

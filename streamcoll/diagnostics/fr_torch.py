@@ -19,6 +19,12 @@ it: ``TORCH_FR_DUMP_TEMP_FILE`` (the prefix; torch's default
 communicator's entries, as torch writes every group's), the rank being
 ``RANK`` (the global rank) where set, else the communicator's.
 
+``frames`` (torch: the stack where the collective was issued) is empty,
+except for a call in flight when a hang report dumped the record
+(:mod:`streamcoll.diagnostics.hang_report`): the stack of the thread inside
+it, innermost first. The other threads' stacks have no field in torch's
+format: they are in the JSON dump only.
+
 What does not map: point-to-point entries carry no peer in streamcoll's
 recorder, and torch's reader needs ``send a->b``; they are left out (the
 collectives' order is what fr_trace aligns).
@@ -83,6 +89,8 @@ def to_torch(snaps: List[dict], rank: int) -> dict:
         desc = f"streamcoll:{s['backend']}"
         pg_config[name] = {"name": name, "desc": desc, "ranks": str(list(range(int(s["size"]))))}
         lib = "nccl" if s["backend"] == "nccl" else "xccl"
+        # the stack of the thread inside a call in flight, where a hang report took it (hang_report)
+        frames = (s.get("hang") or {}).get("call_frames") or {}
         for e in s["entries"]:
             if e.get("collective_seq") is None:
                 continue  # point to point: no peer recorded (module docstring)
@@ -97,7 +105,8 @@ def to_torch(snaps: List[dict], rank: int) -> dict:
                 "input_sizes": shapes, "input_dtypes": dtypes, "output_sizes": shapes, "output_dtypes": dtypes,
                 "state": state, "time_discovered_started_ns": _ns(e.get("started")) or None,
                 "time_discovered_completed_ns": _ns(e.get("ended")) or None, "retired": state == "completed",
-                "timeout_ms": int(float(s.get("timeout_s") or 0) * 1000), "is_p2p": False, "frames": [],
+                "timeout_ms": int(float(s.get("timeout_s") or 0) * 1000), "is_p2p": False,
+                "frames": list(frames.get(str(e["seq"])) or []) if state != "completed" else [],
             })
     return {"version": VERSION, "pg_config": pg_config, "pg_status": {}, "entries": entries, "rank": rank}
 

@@ -16,7 +16,12 @@ communicator's timeout:
   (``Communicator._deadlines``, pruned here), and a new one wakes the thread
   at once (:func:`deadline_issued`). A synchronous CPU call given one is
   waited on by its caller, who raises first; the watchdog is its backstop;
-- on a hang it hands the communicator to :mod:`streamcoll.diagnostics.failure`
+- on a hang it first asks every rank of the communicator where it stands
+  (:mod:`streamcoll.diagnostics.hang_report`: up to ``STREAMCOLL_HANG_REPORT_S``,
+  2 s, all of it where a rank is dead) and says it in the message; at the end
+  of each pass it wakes the hang report's thread, which answers the other
+  ranks' questions (no store request on this thread);
+- then it hands the communicator to :mod:`streamcoll.diagnostics.failure`
   (mark failed, dump, report, abort, and by default end the process);
 - each pass also starts the small CPU async calls queued quietly
   (:mod:`streamcoll.core.work`) that nothing has touched since.
@@ -41,8 +46,9 @@ import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ..core import helper_threads, hooks as _hooks, recorder
+from . import hang_answer, hang_report
 from .failure import (EXIT_CODE, after_failure, dump_quietly, exit_now, what_to_do, handle_timeout, mode,
-                      skip_native_teardown)
+                      skip_native_teardown, who_and_where)
 from ..core.backends import BACKENDS
 from ..core.checks import WAITING
 from .._ffi.errors import CollectiveTimeout
@@ -75,6 +81,7 @@ class Watchdog:
         self._wake = threading.Event()
         self._sleeping = INTERVAL_S  # the interval of the wait in progress (deadline_issued compares)
         self.fired: List[str] = []
+        self.passes = 0  # passes of the thread's loop (tests: the hang report's polls per pass)
 
     def add(self, comm: Any) -> None:
         if mode() == "off" and comm.is_gpu:
@@ -112,8 +119,11 @@ class Watchdog:
                             c._rt.nudge()
                 else:
                     self.check(comms)
+                    # the hang report's thread checks for another rank's alarm: no store request here
+                    hang_report.after_pass(comms)
             except Exception as e:  # never let the watchdog die silently
                 log.error("streamcoll watchdog: internal error: %r", e)
+            self.passes += 1
             self._sleeping = self._interval(comms)
             self._wake.wait(self._sleeping)
             self._wake.clear()
@@ -177,7 +187,9 @@ class Watchdog:
                                 + ("" if own is None else f" (its own timeout=; the communicator's is "
                                                          f"{comm.timeout:g} s)"))
         comm.mark_failed(exc)
+        report = who_and_where(comm, op, seq)  # every rank asked through the store (bounded), then the dump
         path = dump_quietly(comm, f"watchdog: {op} #{seq} running for {age:.1f} s")
+        cause = report.cause() if report is not None else None
         lines = [
             "",
             f"streamcoll watchdog: {op} (sequence number {seq}) on communicator {comm.name!r} "
@@ -186,8 +198,10 @@ class Watchdog:
             f"strategy {'sync (inline)' if e.sync else 'async'}.",
             (f"  It has not entered {comm._backend.name}: {_waiting_note(e)}; look at that call first "
              "(the one stuck there)." if getattr(e, "behind", None) else
+             f"  Likely cause: {cause}." if cause else
              "  Likely cause: another rank died, hung, or called a different collective (or the same one with "
              "other shapes) at this point."),
+        ] + ([report.text("  ")] if report is not None else []) + [
             f"  Flight record: {path}",
             f"  Collect every rank's dump and run: python -m streamcoll.flight analyze "
             f"{os.path.dirname(path) if os.path.isabs(path) else recorder.default_dir()}",
@@ -511,6 +525,7 @@ def guard(what: str, timeout: float, detail: Any = ""):
 
 # ------------------------------------------------------- attached to the core
 # (streamcoll.core.hooks: the communicator never imports this module)
+hang_answer.attach(_running_sync, running_calls)  # what the hang report's answers say of the calls in flight
 _hooks.on_create.append(register)
 _hooks.on_deadline.append(deadline_issued)
 _hooks.on_timeout = handle_timeout

@@ -328,7 +328,8 @@ if __name__ != "__main__":
         """No variables: every collective is right across the hosts; then
         (not under torchrun, whose agent ends a failed rank's peers itself)
         the last rank dies and the survivors end within the timeout plus
-        2 s, with exit code 86, and their flight records name the dead rank."""
+        2 s and the hang report's wait for the dead rank (2 s), with exit
+        code 86 and a report naming it, and their flight records name it."""
         from streamcoll.diagnostics import flight
         n = 2 * per_host
         # Fresh PID namespaces started alike give equal pids; oneCCL cannot
@@ -366,7 +367,9 @@ if __name__ != "__main__":
             assert end is not None, info
             took = end[0] - killed_at
             assert end[1] == 86, f"rank {r} exit {end[1]}\n{info}"
-            assert DEATH_TIMEOUT <= took <= DEATH_TIMEOUT + 2.0, f"rank {r} ended {took:.2f} s after the kill\n{info}"
+            # + the hang report's wait for the dead rank's answer (STREAMCOLL_HANG_REPORT_S, 2 s)
+            assert DEATH_TIMEOUT <= took <= DEATH_TIMEOUT + 2.0 + 2.0, f"rank {r} ended {took:.2f} s after the kill\n{info}"
+            assert f"rank {victim} did not answer within 2 s" in run.log(r), info
             err = run.log(r)
             assert f"on rank {r} of {n}" in err and f"(timeout {DEATH_TIMEOUT:g} s)" in err, info
         stuck = [f for f in flight.analyze([run.flight_dir]) if f.kind != "missing_dump"]
