@@ -29,6 +29,7 @@ from .._ffi.errors import UsageError
 from .launch import build_sync_launcher
 from .recorder import FlightEntry
 from .spec import Plan
+from .streams import _TryLock
 from .work import REAPER, Work
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -76,6 +77,7 @@ class AsyncLaunch:
         _seq: int
         _p2p: int
         _deadlines: Dict[int, float]
+        _deadlines_cap: int
         _launch_sync_limit: Any
         record_stream: bool
         timeout: float
@@ -129,22 +131,37 @@ class AsyncLaunch:
         deadline bounds it as well. On a GPU the call is enqueued on the
         stream as any synchronous call, its flight entry carrying the limit,
         which the watchdog applies to its completion event."""
+        t0 = time.monotonic()
+        rt = self._rt
+        lock = rt.exec_lock
+        # The exec lock, waited for up to the deadline: another thread's
+        # synchronous call holds it inline for as long as its C call runs
+        # (waiting for its peers, maybe for good); a plain ``with`` waited
+        # for that call before this one's deadline counted at all. The
+        # launcher below takes it again (an RLock).
+        with _TryLock(lock, limit) as got:  # not acquire() then try: see _TryLock
+            if not got:
+                raise self._not_issued(name, plan, limit)
+            try:
+                if self._gpu:
+                    f = self.__dict__.get("_launch_sync_limit")
+                    if f is None:
+                        f = self._launch_sync_limit = build_sync_launcher(self, limited=True)
+                    f(name, plan, stream, limit)
+                else:
+                    if not self._usable:
+                        self._check_usable()
+                    seq, e = self._new_async_entry(name, plan)
+                    e.limit = (seq, limit)
+                    item = rt.submit(None, self._execute_host, plan, e)  # type: ignore[arg-type]  # CPU: no lane
+            finally:
+                lock.release()
         if self._gpu:
-            f = self.__dict__.get("_launch_sync_limit")
-            if f is None:
-                f = self._launch_sync_limit = build_sync_launcher(self, limited=True)
-            f(name, plan, stream, limit)
             self._deadline_issued(None, limit)
             return None
-        rt = self._rt
-        with rt.exec_lock:
-            if not self._usable:
-                self._check_usable()
-            seq, e = self._new_async_entry(name, plan)
-            e.limit = (seq, limit)
-            item = rt.submit(None, self._execute_host, plan, e)  # type: ignore[arg-type]  # CPU: no lane
         self._deadline_issued(seq, limit)
-        if not rt._wait_item(item, limit):  # type: ignore[attr-defined]  # only the CPU runtime queues
+        # the deadline counts from the call: the wait for the lock and the queueing included
+        if not rt._wait_item(item, limit - (time.monotonic() - t0)):  # type: ignore[attr-defined]  # CPU only
             raise self._timed_out(
                 name, seq, limit, plan.outputs or plan.keep,
                 f"its own timeout ({limit:g} s, given to this call; the communicator's is {self.timeout:g} s) "
@@ -162,12 +179,35 @@ class AsyncLaunch:
         d = self._deadlines
         if seq is not None:
             d[seq] = limit
-        if len(d) > 64:  # no watchdog pruning it (STREAMCOLL_WATCHDOG=off): keep what the ring holds
-            lo = self._seq - self._flight.capacity
-            for s in [s for s in list(d) if s <= lo]:
-                d.pop(s, None)
+        if len(d) > self._deadlines_cap:
+            # Calls faster than the watchdog's passes prune them (or no watchdog,
+            # STREAMCOLL_WATCHDOG=off): forget those finished or out of the ring
+            # here, and look again only once as many again were added (a scan on
+            # every call past 64 cost 27 us a call at the ring's 1,024).
+            fr = self._flight
+            lo = self._seq - fr.capacity
+            for s in list(d):
+                e = fr.at(s)
+                if s <= lo or e is None or (not e.sync and e.state in (_recorder.COMPLETED, _recorder.FAILED)):
+                    d.pop(s, None)
+            self._deadlines_cap = max(64, 2 * len(d))
         for h in _hooks.on_deadline:
             h(self, limit)
+
+    def _not_issued(self, name: str, plan: Plan, limit: float) -> BaseException:
+        """The error of a call given its own timeout (``limit`` s) that could
+        not be issued within it: another thread's call holds the
+        communicator (the exec lock: a synchronous call, inline, for as long
+        as its C call runs). Declared stuck, as past the deadline of an issued
+        call: the communicator is failed (its calls raise from now on, the
+        holder's included once it returns). Nothing of this call was issued:
+        it took no sequence number (the error names the next one)."""
+        return self._timed_out(
+            name, self._seq + 1, limit, plan.outputs or plan.keep,
+            f"its own timeout ({limit:g} s, given to this call; the communicator's is {self.timeout:g} s) passed "
+            "before it could be issued: another thread's call on this communicator held it all that time (a "
+            "synchronous call runs inline, holding the communicator until its C call returns). This call was "
+            "not issued; declared stuck, the communicator is failed")
 
     def _new_async_entry(self, name: str, plan: Plan) -> tuple:
         """Take the next sequence number and record it (exec lock held)."""
@@ -217,15 +257,29 @@ class AsyncLaunch:
             plan.post()
 
     def _launch_async(self, name: str, plan: Plan, key: Any = None, current: Any = None, here: Any = False,
-                      limit: Optional[float] = None) -> Work:
+                      limit: Optional[float] = None, _held: bool = False) -> Work:
         """Queue ``plan`` on the comm stream serving ``key`` (default: the
         caller's current stream; ``current``: that stream, where the caller's
         current one is another: posted ops launched later) and return its
         Work; ``limit``: the call's own timeout (its flight entry and Work
-        carry it), None: the communicator's."""
+        carry it; the wait for the exec lock is bounded by it:
+        :meth:`_not_issued`), None: the communicator's. ``_held``: the
+        caller holds the exec lock already."""
         if not self._usable:
             self._check_usable()  # every launcher: posted ops flushed after a failure are not launched
         rt = self._rt
+        if limit is not None and not _held:
+            # a call given its own timeout waits for the exec lock (another
+            # thread's inline call may hold it for good) up to that timeout
+            # (as _launch_limited), then issues below, the lock taken again (an RLock)
+            lock = rt.exec_lock
+            with _TryLock(lock, limit) as got:
+                if not got:
+                    raise self._not_issued(name, plan, limit)
+                try:
+                    return self._launch_async(name, plan, key, current, here, limit, True)
+                finally:
+                    lock.release()
         if self._gpu and rt.is_capturing():
             # before a sequence number is taken: nothing was issued
             raise UsageError(

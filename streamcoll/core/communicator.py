@@ -232,6 +232,7 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
         self._inline_async = 0 if self._gpu else read_int("STREAMCOLL_INLINE_ASYNC_BYTES", INLINE_ASYNC_BYTES, 0)
         self._lanes: Dict[Any, Lane] = {}
         self._deadlines: Dict[int, float] = {}  # seq -> own timeout of calls given one (AsyncLaunch._deadline_issued)
+        self._deadlines_cap = 64  # _deadlines' size past which _deadline_issued prunes it (then twice what is left)
         self._cx = PlanContext(self)
         self._flight = _recorder.attach(self)
         self._sync_events = _sync_events_for(self)

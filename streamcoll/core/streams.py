@@ -44,6 +44,10 @@ __all__ = ["Runtime", "CpuRuntime", "CudaRuntime", "XpuRuntime", "Lane", "runtim
 #: things before waiting (the rule: :mod:`streamcoll.core.work`).
 QUIET_START_NS = 1_000_000
 
+#: How often :meth:`CpuRuntime.close` looks whether the communicator failed
+#: while it waits for the comm thread (destroy after a call past its own timeout).
+CLOSE_SLICE_S = 0.05
+
 
 class Lane:
     """A comm stream serving one (device, current stream) key."""
@@ -620,7 +624,9 @@ class CpuRuntime(Runtime):
 
     def close(self, timeout: Optional[float] = None) -> bool:
         """Stop the comm thread after the queued work; False if that work did
-        not finish within ``timeout``. An idle thread counts as finished even
+        not finish within ``timeout``, or the communicator failed meanwhile
+        (:meth:`fail` ended it; a call it left inside the library may never
+        return). An idle thread counts as finished even
         if it has not exited yet (``timeout`` 0 after a failure): it runs no
         more C calls, so the native communicator may be freed."""
         if self.turnstile is not None:
@@ -630,7 +636,15 @@ class CpuRuntime(Runtime):
             self._work_cv.notify_all()
             t = self._thread
         if t is not None and t is not threading.current_thread():
-            t.join(timeout)
+            # in slices: a failure meanwhile (a call's own timeout, the watchdog)
+            # ended the queued work, and a call stuck inside the library (oneCCL
+            # cannot abort) would keep the thread for the whole timeout
+            end = None if timeout is None else time.monotonic() + timeout
+            while True:
+                left = None if end is None else end - time.monotonic()
+                t.join(CLOSE_SLICE_S if left is None else max(0.0, min(left, CLOSE_SLICE_S)))
+                if not t.is_alive() or self._failed or (left is not None and left <= CLOSE_SLICE_S):
+                    break
             if t.is_alive():
                 with self._mutex:
                     return self.running is None and not self._queue

@@ -13,9 +13,18 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-__all__ = ["DEFAULT_TIMEOUT", "env_timeout", "seconds", "per_call", "torch_seconds"]
+__all__ = ["DEFAULT_TIMEOUT", "MAX_SECONDS", "env_timeout", "seconds", "per_call", "torch_seconds"]
 
 DEFAULT_TIMEOUT = 600.0  # seconds, as torch.distributed's default for NCCL
+
+# The longest timeout, in seconds (about 31.7 years): a longer one counts as
+# this. The waits a timeout reaches take no more: ``threading``'s lock and
+# condition waits raise OverflowError past ``threading.TIMEOUT_MAX``
+# (9.2e9 s), a store's ``wait`` of 1e10 s returns "Wait timeout" at once
+# (its deadline overflows nanoseconds) and one of ``timedelta.max`` raises
+# OverflowError; a call given such a timeout= raised only after it was
+# issued (tests/core/test_call_deadlines_edges.py).
+MAX_SECONDS = 1e9
 
 
 def env_timeout() -> float:
@@ -32,11 +41,12 @@ def env_timeout() -> float:
     if not t > 0 or t == float("inf"):
         raise ValueError(f"environment variable STREAMCOLL_TIMEOUT: expected a positive finite number of "
                          f"seconds, got {v!r}")
-    return t
+    return min(t, MAX_SECONDS)
 
 
 def seconds(timeout: Union[None, float, timedelta], name: str = "timeout") -> float:
-    """A timeout argument in seconds (positive, finite); None: ``STREAMCOLL_TIMEOUT``."""
+    """A timeout argument in seconds (positive, finite; past :data:`MAX_SECONDS`,
+    that); None: ``STREAMCOLL_TIMEOUT``."""
     if timeout is None:
         return env_timeout()
     if isinstance(timeout, timedelta):
@@ -47,7 +57,7 @@ def seconds(timeout: Union[None, float, timedelta], name: str = "timeout") -> fl
         t = float(timeout)
     if not t > 0 or t == float("inf"):
         raise ValueError(f"{name}: expected a positive number of seconds or a timedelta, got {timeout!r}")
-    return t
+    return t if t <= MAX_SECONDS else MAX_SECONDS
 
 
 def per_call(timeout: Union[None, float, timedelta]) -> Optional[float]:

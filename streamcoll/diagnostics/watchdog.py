@@ -177,6 +177,8 @@ class Watchdog:
     # -- on a hang ---------------------------------------------------------
     def _fire(self, comm: Any, e: Any, age: float) -> None:
         op, seq = e.op, e.seq
+        queued = not e.sync and e.state == recorder.ENQUEUED  # before mark_failed, which says failed
+        behind = _running_note(comm) if queued else ""
         own = e.own_limit(seq)
         t = comm.timeout if own is None else own
         whose = "" if own is None else f", the call's own timeout=; the communicator's is {comm.timeout:g} s"
@@ -198,6 +200,8 @@ class Watchdog:
             f"strategy {'sync (inline)' if e.sync else 'async'}.",
             (f"  It has not entered {comm._backend.name}: {_waiting_note(e)}; look at that call first "
              "(the one stuck there)." if getattr(e, "behind", None) else
+             f"  It has not started: it is queued on the communicator's comm thread behind "
+             f"{behind}; look at that call first." if queued else
              f"  Likely cause: {cause}." if cause else
              "  Likely cause: another rank died, hung, or called a different collective (or the same one with "
              "other shapes) at this point."),
@@ -331,12 +335,20 @@ def _nccl_async_error(comm: Any) -> Optional[BaseException]:
 
 def watched(comm: Any, fr: Any, last: int) -> List[Any]:
     """The entries whose completion the watchdog checks: the async call
-    running on the CPU comm thread; on a GPU, the async entries among the
+    running on the CPU comm thread and the calls given their own timeout
+    queued behind it (``Communicator._deadlines``); on a GPU, the async entries among the
     newest :data:`SCAN` and the synchronous ones that returned with a
     completion event (:mod:`streamcoll.core.sync_events`): their kernels may still
     run, or never finish."""
     inflight = fr.inflight
     cands = [inflight] if inflight is not None else []
+    if not comm.is_gpu and comm._deadlines:
+        # calls given their own timeout, queued behind the running one: theirs
+        # may pass first (on a GPU the async entries below are all looked at)
+        for sq in list(comm._deadlines):
+            e = fr.at(sq)
+            if e is not None and e is not inflight and not e.sync:
+                cands.append(e)
     if comm.is_gpu:
         done = fr.done
         for e in fr.recent(last, SCAN):
@@ -352,8 +364,9 @@ def watched(comm: Any, fr: Any, last: int) -> List[Any]:
 def overdue(comm: Any, fr: Any, cands: List[Any], now: int, limit: float) -> Optional[Tuple[Any, float]]:
     """(entry, age in s) of the first of ``cands`` still unfinished after
     ``limit`` seconds (an entry of a call given its own timeout: that plus
-    :data:`GRACE_S`), or None. Async entries found completed let go of
-    their events (not queried again)."""
+    :data:`GRACE_S`, counted from its issue also while it is queued), or
+    None. Async entries found completed let go of their events (not
+    queried again)."""
     for e in cands:
         seq = e.seq  # before the state: the launch thread may reuse a sync entry's slot meanwhile
         st = fr.state(comm, e)
@@ -363,6 +376,8 @@ def overdue(comm: Any, fr: Any, cands: List[Any], now: int, limit: float) -> Opt
             age = (now - (e.t_start or e.t_enq)) / 1e9
         elif st == recorder.LAUNCHED and e.event is not None:
             age = (now - e.t_enq) / 1e9
+        elif st == recorder.ENQUEUED and e.own_limit(seq) is not None:
+            age = (now - e.t_enq) / 1e9  # queued behind a call that runs (CPU): its timeout counts from its issue
         else:
             if st == recorder.COMPLETED:
                 if not e.sync and e.state == recorder.LAUNCHED:
@@ -375,6 +390,14 @@ def overdue(comm: Any, fr: Any, cands: List[Any], now: int, limit: float) -> Opt
         if age > (limit if own is None else own + GRACE_S):
             return e, age
     return None
+
+
+def _running_note(comm: Any) -> str:
+    """The call running on ``comm``'s CPU comm thread, as a report names it."""
+    e = comm.flight.inflight
+    if e is None:
+        return "earlier work"
+    return f"#{e.seq} {e.op} (running for {(recorder.now_ns() - (e.t_start or e.t_enq)) / 1e9:.1f} s)"
 
 
 def _prune_deadlines(comm: Any, fr: Any) -> None:
