@@ -194,20 +194,20 @@ class AsyncLaunch:
         for h in _hooks.on_deadline:
             h(self, limit)
 
-    def _not_issued(self, name: str, plan: Plan, limit: float) -> BaseException:
+    def _not_issued(self, name: str, plan: Optional[Plan], limit: float, why: str = "") -> BaseException:
         """The error of a call given its own timeout (``limit`` s) that could
-        not be issued within it: another thread's call holds the
-        communicator (the exec lock: a synchronous call, inline, for as long
-        as its C call runs). Declared stuck, as past the deadline of an issued
-        call: the communicator is failed (its calls raise from now on, the
-        holder's included once it returns). Nothing of this call was issued:
-        it took no sequence number (the error names the next one)."""
+        not be issued within it (``why``; default: another thread's call
+        holds the communicator, the exec lock: a synchronous call, inline,
+        for as long as its C call runs). Declared stuck, as past the deadline
+        of an issued call: the communicator is failed (its calls raise from
+        now on, the holder's included once it returns). Nothing of this call
+        was issued: it took no sequence number (the error names the next one)."""
+        why = why or ("another thread's call on this communicator held it all that time (a synchronous call "
+                      "runs inline, holding the communicator until its C call returns)")
         return self._timed_out(
-            name, self._seq + 1, limit, plan.outputs or plan.keep,
+            name, self._seq + 1, limit, (plan.outputs or plan.keep) if plan is not None else (),
             f"its own timeout ({limit:g} s, given to this call; the communicator's is {self.timeout:g} s) passed "
-            "before it could be issued: another thread's call on this communicator held it all that time (a "
-            "synchronous call runs inline, holding the communicator until its C call returns). This call was "
-            "not issued; declared stuck, the communicator is failed")
+            f"before it could be issued: {why}. This call was not issued; declared stuck, the communicator is failed")
 
     def _new_async_entry(self, name: str, plan: Plan) -> tuple:
         """Take the next sequence number and record it (exec lock held)."""

@@ -663,9 +663,14 @@ class Signatures:
             from .work import POSTING, launch_posted
             if POSTING:
                 launch_posted()  # posted p2p first: that work may wait on it
-            rt.drain()
+            t0 = time.monotonic()
+            if not rt.drain(limit):  # a call's own timeout bounds this wait too (a coalescing block's call)
+                raise comm._not_issued(name, plan, limit, "the work issued before it on this communicator did not "
+                                       "finish (its first-call check waits for it: issue order)")
             if not self._due(key) or not comm._usable:
                 return
+            if limit is not None:  # the rest of it for the check's wait in the store
+                limit = max(limit - (time.monotonic() - t0), 0.001)
         self._check(name, key, counts, limit=limit)
 
     def first_fast(self, fk: tuple, s: Any, args: tuple, async_op: bool = False) -> bool:

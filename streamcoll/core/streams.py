@@ -562,13 +562,15 @@ class CpuRuntime(Runtime):
                 self._waiters -= 1
         return True
 
-    def drain(self) -> None:
+    def drain(self, timeout: Optional[float] = None) -> bool:
         """Wait until the work queued so far has completed (or the
         communicator failed, which ends it): what a synchronous call that
         must act after that work, before its own C call, waits for (its
         first-call check: :class:`streamcoll.core.checks.Signatures`). Quietly
-        queued work is started now. No timeout of its own: stuck work is
-        the watchdog's, whose failure ends it."""
+        queued work is started now. ``timeout``: a call's own timeout (False
+        once it passed); None: stuck work is the watchdog's, whose failure
+        ends it."""
+        end = None if timeout is None else time.monotonic() + timeout
         with self._mutex:
             if self._queue and self.running is None:
                 self._hurry = True
@@ -576,9 +578,16 @@ class CpuRuntime(Runtime):
             self._waiters += 1
             try:
                 while self._pending and not self._failed:
-                    self._done_cv.wait()
+                    if end is None:
+                        self._done_cv.wait()
+                    else:
+                        left = end - time.monotonic()
+                        if left <= 0:
+                            return False
+                        self._done_cv.wait(left)
             finally:
                 self._waiters -= 1
+        return True
 
     def completion_event(self, lane: Lane, token: _Item) -> CpuEvent:
         ev = lane.pool.pop() if lane.pool else None

@@ -194,6 +194,36 @@ def _destroy_after_unwaited_deadline(comm):
     return out
 
 
+def _coalesced_deadline_behind_stuck_async(comm):
+    """Rank 0: an async call A (no deadline) waits for rank 1, 4 s late;
+    then a coalescing block holds a call of a new signature given timeout=1:
+    its first-call check waits for the work queued before it (issue order)
+    and then for the peers in the store. That wait must end at the call's
+    deadline, not once A has met its peer."""
+    c = comm.split(0, timeout=60)
+    c.all_reduce(torch.ones(4))
+    out: dict = {}
+    if comm.rank == 1:
+        time.sleep(4.0)
+        c.all_reduce(torch.ones(4))  # A only
+        return out
+    wa = c.all_reduce(torch.ones(4), async_op=True)
+
+    def block() -> None:
+        with c.coalescing():
+            c.all_reduce(torch.ones(5), timeout=1.0)  # a signature not seen: checked in the block
+
+    res: dict = {}
+    th = threading.Thread(target=lambda: res.__setitem__("block", _outcome(block)))
+    th.start()
+    th.join(2.5)
+    out["in_time"] = dict(res).get("block")
+    th.join(10)
+    out.update(res)
+    out["A"] = _outcome(wa.wait, 10)
+    return out
+
+
 # ------------------------------------------------------------------ tests
 @needs_oneccl
 @pytest.mark.parametrize("how", ["sync", "async", "irecv"])
@@ -223,6 +253,17 @@ def test_unwaited_deadline_call_queued_behind_a_stuck_call_fails_by_the_watchdog
     assert r0["failed_after"] is not None and 1.9 < r0["failed_after"] < 3.0, r0
     assert "own timeout" in r0["failure"], r0
     assert r0["B"][0] == "CommunicatorError", r0
+
+
+@needs_oneccl
+def test_a_deadline_in_a_coalescing_block_bounds_its_first_call_check(disposable):
+    """Before the fix the check waited for A unbounded (until its peer came
+    at 4 s) and then 1 s in the store: CollectiveTimeout "within 1 s" after 5 s."""
+    r0, _ = disposable.run(_coalesced_deadline_behind_stuck_async, timeout=60)
+    b = r0["in_time"]
+    assert b is not None and b[0] == "CollectiveTimeout" and 0.9 < b[1] < 2.0, r0
+    assert "before it could be issued" in b[2] and "did not finish" in b[2], r0
+    assert r0["A"][0] == "CommunicatorError", r0  # the failure ended A (met by its peer later, not trusted)
 
 
 @needs_oneccl
