@@ -117,6 +117,9 @@ class Watchdog:
                     for c in comms:
                         if c.failure is None:
                             c._rt.nudge()
+                            # the finished calls given a timeout: else the interval kept their
+                            # limit / 10 (50 ms after one timeout=0.5 call) for good
+                            _prune_deadlines(c, c.flight)
                 else:
                     self.check(comms)
                     # the hang report's thread checks for another rank's alarm: no store request here

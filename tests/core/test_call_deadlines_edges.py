@@ -343,3 +343,22 @@ def test_pending_deadlines_stay_few_without_a_watchdog(monkeypatch):
         assert c.failure is None
     finally:
         c.destroy()
+
+
+@needs_oneccl
+def test_without_a_watchdog_a_finished_deadline_call_leaves_the_interval_alone(monkeypatch):
+    """``STREAMCOLL_WATCHDOG=off`` still runs the thread for CPU
+    communicators (it starts quietly queued calls); nothing pruned the
+    deadlines of finished calls there, so one call with timeout=0.5 made it
+    wake every 50 ms for good (its interval is min(0.5 s, limit / 10) while
+    such a call is unfinished)."""
+    from streamcoll.diagnostics.watchdog import WATCHDOG, INTERVAL_S
+    c = _one(monkeypatch, timeout=600)
+    try:
+        c.all_reduce(torch.ones(4), timeout=0.5)
+        deadline = time.monotonic() + 5
+        while (c._deadlines or WATCHDOG._sleeping != INTERVAL_S) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not c._deadlines and WATCHDOG._sleeping == INTERVAL_S, (dict(c._deadlines), WATCHDOG._sleeping)
+    finally:
+        c.destroy()
