@@ -224,6 +224,30 @@ def _coalesced_deadline_behind_stuck_async(comm):
     return out
 
 
+def _output_after_the_deadline(comm):
+    """Rank 0's all_reduce given timeout=1 raises CollectiveTimeout; the
+    caller takes the call as over and writes its tensor (7.0). Rank 1 comes
+    3 s late: the call still inside oneCCL (it cannot abort) meets it and
+    writes the sum into rank 0's tensor, 2 s after rank 0 was told the call
+    failed."""
+    c = comm.split(0, timeout=60)
+    c.all_reduce(torch.ones(4))
+    out: dict = {}
+    if comm.rank == 1:
+        time.sleep(3.0)
+        x = torch.full((4,), 2.0)
+        c.all_reduce(x)
+        out["x"] = x.tolist()
+        return out
+    t = torch.ones(4)
+    out["call"] = _outcome(c.all_reduce, t, timeout=1.0)
+    t.fill_(7.0)
+    out["after_raise"] = t.tolist()
+    time.sleep(3.5)
+    out["later"] = t.tolist()
+    return out
+
+
 # ------------------------------------------------------------------ tests
 @needs_oneccl
 @pytest.mark.parametrize("how", ["sync", "async", "irecv"])
@@ -264,6 +288,18 @@ def test_a_deadline_in_a_coalescing_block_bounds_its_first_call_check(disposable
     assert b is not None and b[0] == "CollectiveTimeout" and 0.9 < b[1] < 2.0, r0
     assert "before it could be issued" in b[2] and "did not finish" in b[2], r0
     assert r0["A"][0] == "CommunicatorError", r0  # the failure ended A (met by its peer later, not trusted)
+
+
+@needs_oneccl
+@pytest.mark.xfail(strict=True, reason="a synchronous CPU call past its timeout= stays inside oneCCL (no abort) with "
+                   "the caller's own buffers: when the late peer comes, it writes the caller's tensor seconds after "
+                   "CollectiveTimeout was raised (and sends what the caller wrote there since); not fixed: it needs "
+                   "the call staged through buffers of its own (a copy in and out per call)")
+def test_a_tensor_is_not_written_after_its_calls_deadline_raised(disposable):
+    r0, r1 = disposable.run(_output_after_the_deadline, timeout=60)
+    assert r0["call"][0] == "CollectiveTimeout" and r0["after_raise"] == [7.0] * 4, r0
+    # is [9.0] * 4 (7, written after the raise, + 2 from rank 1), while rank 1 got [3.0] * 4 (1 + 2)
+    assert r0["later"] == [7.0] * 4, (r0, r1)
 
 
 @needs_oneccl
