@@ -248,6 +248,19 @@ def _output_after_the_deadline(comm):
     return out
 
 
+def _deadline_with_a_dead_peer(comm):
+    """Rank 1 dies (SIGKILL) 0.3 s after the warm-up; 1 s later rank 0
+    makes a call given timeout=1: its CollectiveTimeout is due after 1 s."""
+    c = comm.split(0, timeout=60)
+    c.all_reduce(torch.ones(4))
+    if comm.rank == 1:
+        threading.Thread(target=lambda: (time.sleep(0.3), os.kill(os.getpid(), signal.SIGKILL)), daemon=True).start()
+        return {}
+    time.sleep(1.0)
+    return {"call": _outcome(c.all_reduce, torch.ones(4), timeout=1.0),
+            "hang_report_s": os.environ.get("STREAMCOLL_HANG_REPORT_S")}
+
+
 # ------------------------------------------------------------------ tests
 @needs_oneccl
 @pytest.mark.parametrize("how", ["sync", "async", "irecv"])
@@ -300,6 +313,20 @@ def test_a_tensor_is_not_written_after_its_calls_deadline_raised(disposable):
     assert r0["call"][0] == "CollectiveTimeout" and r0["after_raise"] == [7.0] * 4, r0
     # is [9.0] * 4 (7, written after the raise, + 2 from rank 1), while rank 1 got [3.0] * 4 (1 + 2)
     assert r0["later"] == [7.0] * 4, (r0, r1)
+
+
+@needs_oneccl
+@pytest.mark.xfail(strict=True, reason="the hang report (STREAMCOLL_HANG_REPORT_S, default 2 s, merged after the "
+                   "deadlines) runs inside the raise of a call past its own timeout=: a 1 s deadline raises after "
+                   "3.04 s with a dead peer (1.01 s with STREAMCOLL_HANG_REPORT_S=0), 1.0-1.56 s with a live late "
+                   "one; not fixed: whether a call's own timeout bounds the report's wait is the hang report's "
+                   "policy to decide")
+def test_a_dead_peer_does_not_stretch_a_calls_deadline(disposable):
+    (r0, _) = disposable.run(_deadline_with_a_dead_peer, timeout=60)
+    assert r0["hang_report_s"] is None, r0  # the default: reports on
+    kind, took, msg = r0["call"]
+    assert kind == "CollectiveTimeout" and "within 1 s" in msg, r0
+    assert took < 1.5, r0  # 3.04: the report waited its 2 s for the dead rank's answer
 
 
 @needs_oneccl
