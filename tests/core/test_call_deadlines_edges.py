@@ -306,8 +306,8 @@ def test_a_deadline_in_a_coalescing_block_bounds_its_first_call_check(disposable
 @needs_oneccl
 @pytest.mark.xfail(strict=True, reason="a synchronous CPU call past its timeout= stays inside oneCCL (no abort) with "
                    "the caller's own buffers: when the late peer comes, it writes the caller's tensor seconds after "
-                   "CollectiveTimeout was raised (and sends what the caller wrote there since); not fixed: it needs "
-                   "the call staged through buffers of its own (a copy in and out per call)")
+                   "CollectiveTimeout was raised (9.0 there, 3.0 on the peer: the ranks disagree); not fixed: it "
+                   "needs the call staged through buffers of its own (a copy in and out per call)")
 def test_a_tensor_is_not_written_after_its_calls_deadline_raised(disposable):
     r0, r1 = disposable.run(_output_after_the_deadline, timeout=60)
     assert r0["call"][0] == "CollectiveTimeout" and r0["after_raise"] == [7.0] * 4, r0
