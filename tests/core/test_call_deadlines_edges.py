@@ -1,7 +1,10 @@
 """Per-call deadlines at their edges (an adversarial review of
 ``timeout=``): calls from several threads, deadlines that outlive what the
-platform's waits take, work queued behind a stuck call, interrupts while a
-deadline call waits, destroy after a deadline call.
+platform's waits take, work queued behind a stuck call, a coalesced call's
+first-call check, interrupts while a deadline call waits, destroy after a
+deadline call, the watchdog's interval without a watchdog; and two strict
+xfails: the caller's tensor written after its call raised, and the hang
+report's wait inside the raise (a dead peer: 3 s for a 1 s deadline).
 
 Real ranks over real oneCCL, ``STREAMCOLL_WATCHDOG=fail``. A scenario that
 may leave a call stuck inside oneCCL for good (it cannot abort) runs in a
