@@ -344,20 +344,43 @@ class _Job:
         self.done.set()
 
 
+_STOP = threading.Event()
+EXIT_JOIN_S = 1.0  # how long the interpreter's exit waits for the thread to leave a store request
+
+
+def _stop_at_exit() -> None:
+    """Stop the thread before the interpreter finalizes: a daemon thread that
+    comes back from a store request (a torch C++ call, GIL released) during
+    finalization is ended by ``pthread_exit`` inside torch's code, which
+    aborts the process ("terminate called without an active exception")."""
+    _STOP.set()
+    _WAKE.set()
+    t = _THREAD
+    if t is not None and t.is_alive() and t is not threading.current_thread():
+        t.join(EXIT_JOIN_S)
+
+
 def _ensure_thread() -> None:
     global _THREAD
     with _LOCK:
+        if _STOP.is_set():
+            return  # the interpreter is exiting
         if _THREAD is None or not _THREAD.is_alive():
+            if _THREAD is None:
+                import atexit
+                atexit.register(_stop_at_exit)
             _THREAD = helper_threads.Thread(target=_run, name="streamcoll-hang-report", daemon=True)
             _THREAD.start()
 
 
 def _run() -> None:
-    while True:
+    while not _STOP.is_set():
         with _LOCK:
             busy = bool(_JOBS)
         _WAKE.wait(ROUND_S if busy else None)
         _WAKE.clear()
+        if _STOP.is_set():
+            return
         try:
             _round()
         except Exception as e:  # never let the thread die silently
