@@ -756,7 +756,7 @@ if __name__ != "__main__":
         import torch.distributed as dist
         import streamcoll
         from streamcoll.diagnostics import failure
-        monkeypatch.setenv("STREAMCOLL_WATCHDOG", "off")
+        monkeypatch.setenv("STREAMCOLL_WATCHDOG", "fail")  # not off: with it off, no report is gathered
         c = streamcoll.new_communicator(backend="oneccl", device="cpu", rank=0, world_size=1, store=dist.HashStore())
         torn = []
 
