@@ -12,6 +12,8 @@ Importing streamcoll loads no native library; they load on first use.
 """
 from __future__ import annotations
 
+import sys as _sys
+
 # The observers of every communicator attach to the core when imported (streamcoll.core.hooks): the
 # watchdog (hangs, the start of quietly queued CPU calls) and torch-format flight dumps. First: an
 # import of a higher layer that fails (and leaves the core it loaded in sys.modules) cannot leave
@@ -72,6 +74,7 @@ from .integrations.process_group import ProcessGroupStreamcoll, register_backend
 from .core.work import Work
 # public: streamcoll.launchers.adopt() (exports a launcher's ranks for torch.distributed; examples/launch_job.py)
 from .startup import launchers  # noqa: F401
+_sys.modules[__name__ + ".launchers"] = launchers  # `import streamcoll.launchers` too: the public name
 
 _register_backend()  # torch.distributed.init_process_group("streamcoll")
 

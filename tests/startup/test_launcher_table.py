@@ -193,12 +193,6 @@ def test_info_shows_the_detected_launcher(monkeypatch, capsys):
     assert "launcher: mpich-hydra" in out.getvalue() and "rank 1 of 2, local rank 1 of 2" in out.getvalue()
 
 
-@pytest.mark.xfail(strict=True, reason="the layout moved launchers to streamcoll.startup.launchers; the package keeps "
-                   "streamcoll.launchers as an attribute (its __init__ imports it: the public "
-                   "streamcoll.launchers.adopt()), but not as a module: 'import streamcoll.launchers' and "
-                   "'from streamcoll.launchers import adopt', which worked in the flat layout, raise "
-                   "ModuleNotFoundError (or, where an editable install of an older checkout is on the path, "
-                   "load that checkout's launchers.py)")
 def test_the_public_launchers_name_imports_as_a_module():
     import importlib.util
     import os
