@@ -52,10 +52,34 @@ def rank_env(rank: int, size: int, port: int) -> Dict[str, str]:
                 LOCAL_WORLD_SIZE=str(size), GROUP_RANK="0", MASTER_PORT=str(port))
 
 
+def _port_band() -> range:
+    """Ports below the kernel's ephemeral range: a port taken from there
+    (``bind(0)``) can be handed to any outgoing connection on this host
+    before the test's store binds it again (seen in CI: EADDRINUSE)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    top = max(min(low, 65536), 12000)
+    return range(top - 10000, top)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and outside the ephemeral range (so no
+    outgoing connection takes it before the store binds it), drawn at
+    random so that two xdist workers do not pick the same one."""
+    import random
+    band = _port_band()
+    for _ in range(200):
+        port = random.choice(band)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {band.start}..{band.stop - 1} after 200 tries")
 
 
 def kill_sessions(procs: List[Any]) -> None:

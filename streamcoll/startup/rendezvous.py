@@ -115,12 +115,21 @@ def _get_store(rank: int, world_size: int, timeout: float):
             else:
                 store = dist.TCPStore(addr, port, world_size, False, timedelta(seconds=timeout))
         except (RuntimeError, OSError) as e:  # DistNetworkError, DistStoreError
-            who = ("could not start the store server" if master else
-                   "no store server answered" if not agent else "torchrun's agent store did not answer")
+            who = ("no store server answered" if not agent else "torchrun's agent store did not answer")
+            advice = (f"Check that rank 0 runs and that MASTER_ADDR/MASTER_PORT are the same on every rank "
+                      f"and reachable from this host (WORLD_SIZE={os.environ.get('WORLD_SIZE')}).")
+            if master:
+                # Binding fails at once, not at the timeout: say what holds the port.
+                who = "could not start the store server"
+                in_use = "EADDRINUSE" in str(e) or "address already in use" in str(e).lower()
+                advice = (f"MASTER_PORT={port} is already in use on this host (another job, or a process left "
+                          f"over from one): pick another MASTER_PORT." if in_use else
+                          f"Check that MASTER_ADDR={addr} is an address of this host.")
+                where = f"at {addr}:{port}"
+            else:
+                where = f"at {addr}:{port} within {timeout:g} s"
             raise RendezvousError(
-                f"rendezvous failed on rank {rank} of {world_size}: {who} at {addr}:{port} within {timeout:g} s "
-                f"({_first_lines(e)}). Check that rank 0 runs and that MASTER_ADDR/MASTER_PORT are the same on "
-                f"every rank and reachable from this host (WORLD_SIZE={os.environ.get('WORLD_SIZE')}).",
+                f"rendezvous failed on rank {rank} of {world_size}: {who} {where} ({_first_lines(e)}). {advice}",
                 [0] if not master else [], addr, port, world_size, os.environ.get("WORLD_SIZE"),
             ) from None
         _STORE = store

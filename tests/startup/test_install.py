@@ -24,6 +24,7 @@ from typing import Dict, Optional
 import pytest
 
 from checkout import REPO, copy_source_tree
+from world import free_port
 
 pytestmark = [pytest.mark.install, pytest.mark.slow, pytest.mark.xdist_group("world")]
 
@@ -160,13 +161,6 @@ streamcoll.destroy()
 """
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _timed(label: str, times: Dict[str, float], fn):
     t0 = time.monotonic()
     out = fn()
@@ -222,7 +216,7 @@ def test_a_user_installs_the_wheel_and_runs_a_job(tmp_path):
         for old in work.glob("ok.rank*"):
             old.unlink()
         r = _timed(label, times, lambda: sh([bindir / "torchrun", "--nproc-per-node", "2", "--master-port",
-                                             str(_free_port()), "job.py"], job_env, work, timeout=300))
+                                             str(free_port()), "job.py"], job_env, work, timeout=300))
         fabrics = []
         for rank in (0, 1):
             ok = work / f"ok.rank{rank}"

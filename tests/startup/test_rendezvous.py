@@ -74,6 +74,25 @@ def test_unreachable_port_within_the_timeout(tmp_path):
     assert len(err.splitlines()) < 25, err
 
 
+def test_rank_0_on_a_port_in_use_says_so_at_once(tmp_path):
+    """CI once saw a test's MASTER_PORT taken by another process: the error
+    said "within 600 s" (binding fails at once) and advised checking rank 0.
+    Now it says the port is in use and to pick another, without waiting."""
+    import socket
+    port = free_port()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port))
+        held.listen()
+        p, took = _run(tmp_path, 0, 2, 30.0, port)
+    assert p.returncode == 3, p.stdout + p.stderr
+    raised, secs = p.stdout.splitlines()[0].split()[1:]
+    assert raised == "RendezvousError" and float(secs) < 10, p.stdout
+    err = p.stderr
+    assert f"could not start the store server at 127.0.0.1:{port} (" in err, err
+    assert f"MASTER_PORT={port} is already in use on this host" in err and "within" not in err, err
+    _no_cpp(err)
+
+
 _TORCHRUN = r"""
 import streamcoll
 try:
