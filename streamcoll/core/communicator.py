@@ -174,7 +174,13 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
         name: str = "default",
         *,
         own: Dict[str, str],
+        scope: Optional[str] = None,
     ) -> None:
+        # ``scope``: a name of this communicator unique on its store's server and equal on every rank
+        # (bootstrap's, from its unique id; a split's child derives its own). Diagnostics key their
+        # store entries by it on one connection per server; None: keys relative to ``store``. Set
+        # before anything can see the communicator (the watchdog's pass polls it for the hang report).
+        self.scope = scope
         self._backend = backend
         self._ffi = ffi = backend.ffi
         self._lib = backend.lib()
@@ -679,6 +685,8 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
             self._backend, self._device, newh, new_rank, len(members),
             self.timeout if timeout is None else timeout, self.record_stream, self._store,
             name=f"{self.name}/split{c}" if k == 1 else f"{self.name}/split{c}.{k}", own=self._own,
+            scope=None if self.scope is None else
+            f"{self.scope}/{self.name}/split{c}" + ("" if k == 1 else f".{k}") + f"/{len(members)}",
         ))
         if self.topology is not None:  # derived from this one's: no store, no exchange
             child.topology = self.topology.subgroup([r for _, r in members], new_rank)

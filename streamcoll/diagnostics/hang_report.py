@@ -42,9 +42,11 @@ waits at least one poll period and 1 s more (:func:`wait_s`).
 thread), checks the alarm key of each communicator that has not answered yet
 with one ``check``: at most one request per communicator per watchdog pass
 (``min(0.5 s, timeout / 10)``), none on any collective's path, none once it
-answered. The requests go over a connection of its own, a ``clone()`` of the
-communicator's store made by that thread (one per store object: a split's
-children use their parent's), with a request timeout of
+answered. The requests go over a connection of its own, a ``clone()`` made
+by that thread: one per store server for the communicators streamcoll made
+over a TCPStore (their keys under the communicator's :attr:`scope`, a digest
+of its unique id, at the server's root), else one per store object; with a
+request timeout of
 :data:`REQUEST_TIMEOUT_S`; never over the main thread's, which may be
 blocked in a store wait or a gloo call. Why a thread of its own and not the
 watchdog's: a store request can block (a new TCPStore connection here can
@@ -99,7 +101,7 @@ import time
 import uuid
 import weakref
 from datetime import timedelta
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..core import helper_threads, hooks as _hooks, recorder
 from ..core.communicator import LIVE
@@ -143,9 +145,29 @@ def budget_s() -> float:
 _WARNED = False
 
 # ------------------------------------------------------------------ the store side
+def _route(comm: Any) -> Tuple[Any, Any, str]:
+    """Where ``comm``'s keys live: (the connection's key, the store to clone,
+    the keys' prefix). A communicator with a :attr:`scope` over a TCPStore
+    shares one connection per store server with every other such
+    communicator (the keys sit on the server's root, under the scope); any
+    other has one per store object, its keys relative to it."""
+    store = comm.store
+    scope = getattr(comm, "scope", None)
+    if scope is not None:
+        import torch.distributed as dist
+        base = getattr(store, "_underlying_non_prefix_store", store)
+        tcp = getattr(dist, "TCPStore", None)
+        if tcp is not None and type(base) is tcp:
+            try:
+                return ("tcp", base.host, int(base.port)), base, f"streamcoll/hang/{scope}/"
+            except Exception:
+                pass
+    return None, store, ""
+
+
 def keys(comm: Any) -> Dict[str, str]:
-    """The hang report's keys of ``comm`` (relative to ``comm.store``)."""
-    k = f"hang/{comm.name}/{comm.size}"
+    """The hang report's keys of ``comm`` (on the store :func:`_route` names)."""
+    k = f"{_route(comm)[2]}hang/{comm.name}/{comm.size}"
     return {"alarm": f"{k}/alarm", "count": f"{k}/answered", "answers": f"{k}/answers"}
 
 
@@ -268,6 +290,7 @@ class _State:
 
 _STATES: "weakref.WeakKeyDictionary[Any, _State]" = weakref.WeakKeyDictionary()
 _CONNS: "weakref.WeakKeyDictionary[Any, _Conn]" = weakref.WeakKeyDictionary()
+_SERVERS: Dict[Tuple[str, str, int], _Conn] = {}  # ("tcp", host, port): one connection per store server
 _LOCK = threading.Lock()
 _WAKE = threading.Event()
 _THREAD: Optional[threading.Thread] = None
@@ -295,32 +318,42 @@ def _unsafe(store: Any) -> Optional[str]:
 
 def _conn(comm: Any) -> _Conn:
     """The connection that polls ``comm``'s keys (made here, on the hang
-    report's thread: a new connection can take seconds)."""
-    store = comm.store
+    report's thread: a new connection can take seconds): one per store
+    server where :func:`_route` names one, else one per store object."""
+    server, store, _ = _route(comm)
     st = _state(comm)
+    if server is not None:
+        c = _SERVERS.get(server)
+        if c is None:
+            c = _SERVERS[server] = _clone(store)
+        return c
     try:
         c = _CONNS.get(store)
     except TypeError:
         c = st.conn
     if c is None:
-        why = _unsafe(store)
-        if why is not None:
-            c = _Conn(None, why)
-        else:
-            try:
-                clone = store.clone()
-                try:
-                    clone.set_timeout(timedelta(seconds=REQUEST_TIMEOUT_S))
-                except Exception:
-                    pass
-                c = _Conn(clone)
-            except Exception as e:
-                c = _Conn(None, f"its store could not be cloned ({type(e).__name__}: {e})")
+        c = _clone(store)
         try:
             _CONNS[store] = c
         except TypeError:
             st.conn = c
     return c
+
+
+def _clone(store: Any) -> _Conn:
+    """A connection of the hang report's own to ``store``'s server."""
+    why = _unsafe(store)
+    if why is not None:
+        return _Conn(None, why)
+    try:
+        clone = store.clone()
+    except Exception as e:
+        return _Conn(None, f"its store could not be cloned ({type(e).__name__}: {e})")
+    try:
+        clone.set_timeout(timedelta(seconds=REQUEST_TIMEOUT_S))
+    except Exception:
+        pass
+    return _Conn(clone)
 
 
 class _Job:
@@ -506,10 +539,15 @@ def _collect(job: _Job, now: float) -> None:
 def _prune() -> None:
     """Let go of the connections of stores no live communicator uses."""
     try:
-        used = {id(c.store) for c in list(LIVE) if not c.destroyed}
+        live = [c for c in list(LIVE) if not c.destroyed]
+        used = {id(c.store) for c in live}
         for s in list(_CONNS.keys()):
             if id(s) not in used:
                 _CONNS.pop(s, None)
+        servers = {_route(c)[0] for c in live}
+        for k in list(_SERVERS):
+            if k not in servers:
+                _SERVERS.pop(k, None)
     except Exception:
         pass
 
@@ -642,10 +680,11 @@ def _after_fork_in_child() -> None:
     _LOCK = threading.Lock()  # a parent thread may have held it at fork
     _WAKE = threading.Event()
     _THREAD = None
-    _FORKED_AWAY.append((list(_CONNS.values()), list(_STATES.values()), list(_JOBS)))
+    _FORKED_AWAY.append((list(_CONNS.values()), list(_SERVERS.values()), list(_STATES.values()), list(_JOBS)))
     _POLLED.clear()
     _JOBS.clear()
     _CONNS.clear()
+    _SERVERS.clear()
     _STATES.clear()
 
 

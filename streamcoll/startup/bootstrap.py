@@ -14,6 +14,7 @@ native calls and makes the communicator.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -273,8 +274,10 @@ def new_communicator(
             with _native_entry(b.name, settings):
                 handle = b.init_rank(world_size, bytes(uid), rank, what=what)  # named while it waits its turn
     pstore.set(f"ready/{rank}", "1")
+    # its unique id is random (rank 0's, shared by the rendezvous): equal on every rank, unique in the job
+    scope = hashlib.sha256(f"{cname}/{world_size}/".encode() + bytes(uid)).hexdigest()[:24]
     comm = adopt(b, handle, lambda: Communicator(b, device, handle, rank, world_size, t, record_stream, pstore,
-                                                 name=cname, own=made["own"]))  # freed if it raises
+                                                 name=cname, own=made["own"], scope=scope))  # freed if it raises
     comm.topology = topo
     if nonblocking:
         make_nonblocking(comm)

@@ -150,6 +150,17 @@ def _spares() -> int:
 
 
 # ------------------------------------------------- new_communicator: kept open
+def _hang_report_connected(limit: float = 5.0) -> None:
+    """Until the hang report's thread has its connection to the world's store
+    server (one per process and server, made on the watchdog's first passes:
+    not a connection per communicator, so not counted as growth)."""
+    from streamcoll.diagnostics import hang_report
+    end = time.monotonic() + limit
+    while not hang_report._SERVERS and time.monotonic() < end:
+        time.sleep(0.05)
+    assert hang_report._SERVERS, "the hang report made no connection within 5 s"
+
+
 def _new_communicators_destroyed_and_kept(comm, n, pool):
     """``n`` times: new_communicator (a PrefixStore of its own), an async
     all_reduce (its check through a clone), destroy; the destroyed objects
@@ -162,6 +173,7 @@ def _new_communicators_destroyed_and_kept(comm, n, pool):
     kept = []
     try:
         comm.barrier()
+        _hang_report_connected()
         gc.collect()
         f0 = _fds()
         for _ in range(n):
