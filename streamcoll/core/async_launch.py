@@ -85,7 +85,8 @@ class AsyncLaunch:
 
         def _check_usable(self) -> None: ...
         def _raise_rc(self, cname: str, rc: int) -> None: ...
-        def _timed_out(self, op: str, seq: int, timeout: float, tensors: Any, detail: str = "") -> Any: ...
+        def _timed_out(self, op: str, seq: int, timeout: float, tensors: Any, detail: str = "",
+                       own: bool = False) -> Any: ...
 
     def comm_stream(self, current: Any = None) -> Any:
         """The comm stream serving ``current`` (a stream of this device;
@@ -165,7 +166,7 @@ class AsyncLaunch:
             raise self._timed_out(
                 name, seq, limit, plan.outputs or plan.keep,
                 f"its own timeout ({limit:g} s, given to this call; the communicator's is {self.timeout:g} s) "
-                "passed: declared stuck, the communicator is failed")
+                "passed: declared stuck, the communicator is failed", own=True)
         if item.exc is not None:
             raise item.exc
         return None
@@ -207,7 +208,8 @@ class AsyncLaunch:
         return self._timed_out(
             name, self._seq + 1, limit, (plan.outputs or plan.keep) if plan is not None else (),
             f"its own timeout ({limit:g} s, given to this call; the communicator's is {self.timeout:g} s) passed "
-            f"before it could be issued: {why}. This call was not issued; declared stuck, the communicator is failed")
+            f"before it could be issued: {why}. This call was not issued; declared stuck, the communicator is failed",
+            own=True)
 
     def _new_async_entry(self, name: str, plan: Plan) -> tuple:
         """Take the next sequence number and record it (exec lock held)."""

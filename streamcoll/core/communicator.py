@@ -544,10 +544,12 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
     def __exit__(self, *exc: Any) -> None:
         self.destroy()
 
-    def _timed_out(self, op: str, seq: int, timeout: float, tensors: Any, detail: str = "") -> CollectiveTimeout:
-        """Mark failed, dump the flight record, abort (NCCL); the error to raise."""
+    def _timed_out(self, op: str, seq: int, timeout: float, tensors: Any, detail: str = "",
+                   own: bool = False) -> CollectiveTimeout:
+        """Mark failed, dump the flight record, abort (NCCL); the error to raise
+        (``own``: the call's own ``timeout=`` passed, a deadline the caller set)."""
         shapes = [tuple(t.shape) for t in (tensors or ()) if isinstance(t, _Tensor)]
-        return _hooks.on_timeout(self, op, seq, timeout, shapes, detail)  # streamcoll.diagnostics.watchdog.handle_timeout
+        return _hooks.on_timeout(self, op, seq, timeout, shapes, detail, own=own)  # streamcoll.diagnostics.watchdog.handle_timeout
 
     def dump_flight_record(self, path: Optional[str] = None) -> str:
         """Write this rank's flight record (recent operations) as JSON; returns

@@ -325,7 +325,8 @@ class Work:
                 f"usable and waiting again may succeed; it is declared stuck (and failed) once the call has "
                 f"run for {whose} ({limit:g} s)", stuck=False)
         return comm._timed_out(self.op, self.seq, t, self._outputs,
-                               f"declared stuck ({whose}, {limit:g} s, passed): the communicator is failed")
+                               f"declared stuck ({whose}, {limit:g} s, passed): the communicator is failed",
+                               own=own is not None)
 
     def _raise_if_failed(self) -> None:
         """Raise :meth:`_error`, if any: work of a failed communicator that

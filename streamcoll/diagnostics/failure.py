@@ -71,11 +71,14 @@ def dump_quietly(comm: Any, reason: str) -> str:
 
 
 def handle_timeout(comm: Any, op: str, seq: int, timeout: float, shapes: list,
-                   detail: str = "") -> CollectiveTimeout:
+                   detail: str = "", own: bool = False) -> CollectiveTimeout:
     """What a timeout reported to the caller does (``Work.wait``,
     ``synchronize``): mark ``comm`` failed, dump its flight record, abort it
     where the library can, and make a normal process exit safe. Returns the
-    :class:`CollectiveTimeout` to raise (it names the dump)."""
+    :class:`CollectiveTimeout` to raise (it names the dump). ``own``: the
+    timeout is the call's own ``timeout=``, a deadline the caller set: the
+    hang report is gathered in the background (logged, and dumped again)
+    instead of inside the raise, which comes at the deadline."""
     first = comm.failure is None
     if first:
         # Mark first: the dump then says "failed", and other threads' calls raise at once.
@@ -83,7 +86,7 @@ def handle_timeout(comm: Any, op: str, seq: int, timeout: float, shapes: list,
     report = None
     if first:
         try:
-            report = who_and_where(comm, op, seq)  # the other ranks asked: before the dump, which holds it
+            report = who_and_where(comm, op, seq, wait=not own)  # before the dump, which holds it
         except BaseException:
             after_failure(comm)  # interrupted while it waited for the answers: the exit is made safe all the same
             raise
@@ -93,6 +96,9 @@ def handle_timeout(comm: Any, op: str, seq: int, timeout: float, shapes: list,
         detail += f"; flight record: {path} (python -m streamcoll.flight analyze {os.path.dirname(path)})"
     if report is not None:
         detail += "\n" + report.text("  ")
+    elif first and own and mode() != "off" and hang_report.budget_s() > 0 and comm.size > 1:
+        detail += (f"; who and where: the other ranks are being asked (up to {hang_report.budget_s():g} s, "
+                   "STREAMCOLL_HANG_REPORT_S), the report follows as a warning in the log and in the flight record")
     exc = CollectiveTimeout(op, seq, timeout, shapes, comm._rank, comm._size, detail)
     if first:
         comm.mark_failed(exc, replace=True)  # the detailed error replaces the placeholder set above
@@ -100,7 +106,7 @@ def handle_timeout(comm: Any, op: str, seq: int, timeout: float, shapes: list,
     return exc
 
 
-def who_and_where(comm: Any, op: str, seq: int) -> Any:
+def who_and_where(comm: Any, op: str, seq: int, wait: bool = True) -> Any:
     """The hang report of ``op`` #``seq`` timing out on ``comm``
     (:func:`streamcoll.diagnostics.hang_report.gather`: every rank asked
     through the store, a bounded wait), or None (off, one rank, or it
@@ -111,7 +117,7 @@ def who_and_where(comm: Any, op: str, seq: int) -> Any:
     if mode() == "off":
         return None
     try:
-        return hang_report.gather(comm, op, seq)
+        return hang_report.gather(comm, op, seq, wait=wait)
     except Exception as e:  # noqa: BLE001
         log.debug("streamcoll watchdog: hang report of %r failed: %r", comm.name, e)
         return None

@@ -359,8 +359,11 @@ def _clone(store: Any) -> _Conn:
 class _Job:
     """One report gathering answers (:func:`gather`)."""
 
-    def __init__(self, comm: Any, alarm: Dict[str, Any], answer: Dict[str, Any], budget: float) -> None:
+    def __init__(self, comm: Any, alarm: Dict[str, Any], answer: Dict[str, Any], budget: float,
+                 background: bool = False) -> None:
         self.comm = comm
+        self.background = background  # nobody waits: the thread logs the report and dumps again
+        self.started = time.monotonic()
         self.alarm = alarm
         self.answer = answer
         self.budget = budget
@@ -436,6 +439,11 @@ def _round() -> None:
     for j in jobs:
         if j.raised and not j.done.is_set():
             _collect(j, now)
+        if j.background and j.done.is_set():
+            with _LOCK:
+                if j in _JOBS:
+                    _JOBS.remove(j)
+            _report_in_background(j)
     _prune()
 
 
@@ -539,7 +547,9 @@ def _collect(job: _Job, now: float) -> None:
 def _prune() -> None:
     """Let go of the connections of stores no live communicator uses."""
     try:
-        live = [c for c in list(LIVE) if not c.destroyed]
+        with _LOCK:
+            reporting = [j.comm for j in _JOBS]  # a failed (aborted) communicator's report still gathers
+        live = [c for c in list(LIVE) if not c.destroyed] + reporting
         used = {id(c.store) for c in live}
         for s in list(_CONNS.keys()):
             if id(s) not in used:
@@ -617,10 +627,14 @@ class Report:
                 "budget_s": self.budget, "waited_s": self.waited, "error": self.error, "ended_at": self.ended_at}
 
 
-def gather(comm: Any, op: str, seq: int) -> Optional[Report]:
+def gather(comm: Any, op: str, seq: int, wait: bool = True) -> Optional[Report]:
     """Raise the alarm for ``op`` #``seq`` on ``comm`` and wait (bounded)
     for the answers; None where hang reports are off or nobody can be asked
-    (one rank, no store, a forked child)."""
+    (one rank, no store, a forked child). ``wait=False`` (a call past its
+    own ``timeout=``: its deadline is the caller's, the report must not
+    stretch it): returns None at once; the hang report's thread gathers the
+    answers, logs the report as a warning and dumps the flight record again
+    with it."""
     budget = budget_s()
     if budget <= 0 or comm.size < 2 or comm.store is None or getattr(comm, "_forked", False):
         return None
@@ -636,12 +650,14 @@ def gather(comm: Any, op: str, seq: int) -> Optional[Report]:
     else:
         own, threads, frames = answer_now(comm, alarm)
         st.answer, st.threads, st.frames = own, threads, frames
-    job = _Job(comm, alarm, own, budget)
-    t0 = time.monotonic()
+    job = _Job(comm, alarm, own, budget, background=not wait)
+    t0 = job.started = time.monotonic()
     with _LOCK:
         _JOBS.append(job)
     _ensure_thread()
     _WAKE.set()
+    if not wait:
+        return None
     done = job.done.wait(budget + FINAL_S)
     with _LOCK:
         if job in _JOBS:
@@ -653,6 +669,33 @@ def gather(comm: Any, op: str, seq: int) -> Optional[Report]:
     st.alarm = st.alarm or job.alarm
     st.report = rep.as_dict()
     return rep
+
+
+def _finished(job: _Job) -> Report:
+    comm = job.comm
+    answers: Dict[int, Optional[Dict[str, Any]]] = {r: job.answers.get(r) for r in range(comm.size)}
+    answers[comm.rank] = answers.get(comm.rank) or job.answer
+    return Report(job.alarm, answers, comm.size, job.budget, time.monotonic() - job.started, job.error)
+
+
+def _report_in_background(job: _Job) -> None:
+    """A report nobody waited for (:func:`gather` with ``wait=False``): in the
+    log, and in the flight record dumped again."""
+    comm = job.comm
+    rep = _finished(job)
+    st = _state(comm)
+    st.alarm = st.alarm or job.alarm
+    st.report = rep.as_dict()
+    path = None
+    try:
+        path = recorder.dump(comm, None, f"hang report of {job.alarm.get('op')} #{job.alarm.get('seq')} "
+                                         "(past its own timeout=)")
+    except Exception as e:
+        path = f"(could not be written: {e})"
+    cause = rep.cause()
+    log.warning("streamcoll: %s (sequence number %s) on communicator %r (rank %d of %d) passed its own "
+                "timeout=; %s\n%s\n  Flight record: %s", job.alarm.get("op"), job.alarm.get("seq"), comm.name,
+                comm.rank, comm.size, f"likely cause: {cause}" if cause else "who and where:", rep.text("  "), path)
 
 
 # ------------------------------------------------------------------ dumps and analysis

@@ -37,6 +37,7 @@ def _order(comm: Any) -> Dict[str, Any]:
     ran: List[tuple] = []
     gate, held = threading.Event(), threading.Event()
     timed_out: List[bool] = []
+    stacks: List[str] = []
     t_start = time.monotonic()
 
     def cb(name: str):
@@ -50,7 +51,11 @@ def _order(comm: Any) -> Dict[str, Any]:
         # held until this rank has registered cb3, however long its peer takes to get there
         # (a fixed 30 s here ran out once in CI: cb1-cb3 then ran behind it correctly, and cb3,
         # attached once the callback thread had caught up, on the calling thread, as it should)
-        timed_out.append(not gate.wait(150))
+        if not gate.wait(150):
+            timed_out.append(True)
+            stacks.append(_stacks())  # where the rank stood: the failure says it
+        else:
+            timed_out.append(False)
 
     futs = []
     try:
@@ -90,7 +95,16 @@ def _order(comm: Any) -> Dict[str, Any]:
     for f in futs:
         f.wait()
     return {"ran": ran, "pending_at_get": pending_at_get, "gate_timed_out": timed_out,
-            "seconds": round(time.monotonic() - t_start, 3)}
+            "seconds": round(time.monotonic() - t_start, 3), "stacks": stacks}
+
+
+def _stacks() -> str:
+    """Every thread's stack, as text."""
+    import sys
+    import traceback
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(f"--- {names.get(i, i)}\n" + "".join(traceback.format_stack(f))
+                     for i, f in sys._current_frames().items())
 
 
 def _idle(comm: Any) -> Dict[str, Any]:
@@ -134,7 +148,7 @@ def test_futures_complete_in_order_on_the_callback_thread_whenever_get_future_is
     callback thread, in completion order."""
     res = world2.run(_order, timeout=240)
     for r, out in enumerate(res):
-        assert out["gate_timed_out"] == [False], (r, out)
+        assert out["gate_timed_out"] == [False], (r, out["ran"], out["seconds"], out["stacks"][0])
         assert out["pending_at_get"], (r, "w2 completed before get_future(): the race was not exercised")
         assert out["ran"] == [("cb0", False), ("cb1", False), ("cb2", False), ("cb3", False)], (r, out)
 
