@@ -273,9 +273,11 @@ def new_communicator(
         with watchdog.guard(what, t, lambda: _init_report(pstore, topo, advertised)):
             with _native_entry(b.name, settings):
                 handle = b.init_rank(world_size, bytes(uid), rank, what=what)  # named while it waits its turn
-    pstore.set(f"ready/{rank}", "1")
     # its unique id is random (rank 0's, shared by the rendezvous): equal on every rank, unique in the job
     scope = hashlib.sha256(f"{cname}/{world_size}/".encode() + bytes(uid)).hexdigest()[:24]
+    if b.name == "oneccl":
+        env.note_first(scope)  # oneCCL made its transport for this communicator's members (if the first)
+    pstore.set(f"ready/{rank}", "1")
     comm = adopt(b, handle, lambda: Communicator(b, device, handle, rank, world_size, t, record_stream, pstore,
                                                  name=cname, own=made["own"], scope=scope))  # freed if it raises
     comm.topology = topo
@@ -367,9 +369,11 @@ def _warn_imposed(topo: "topology.Topology", cname: str) -> None:
     also its spin and algorithm (a one-rank group never shares a core, so
     an oversubscribed world spins where it would yield). Said once per
     process, on every rank (each computes the same); values the user set
-    are the user's choice and not named."""
+    are the user's choice and not named. Not for a communicator with
+    processes of other jobs (a trainer's ranks and a server): its members'
+    first communicators differ by design."""
     running = env.in_effect()
-    if not running or not topo.spans_job or _IMPOSED_SAID:
+    if not running or not topo.spans_job or topo.layout.jobs > 1 or _IMPOSED_SAID:
         return
     user = env._user_env()
     wanted = env.agreed_defaults(topo)

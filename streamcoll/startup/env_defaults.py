@@ -146,6 +146,8 @@ class RankFactsLike(Protocol):
     def defaults(self) -> bool: ...
     @property
     def route(self) -> Optional[_Route]: ...
+    @property
+    def first(self) -> Optional[str]: ...
 
 
 class TopologyLike(Protocol):
@@ -190,6 +192,22 @@ def _user_env() -> Dict[str, str]:
     """os.environ without what :func:`applied` has set at this moment."""
     with _LOCK:
         return {k: v for k, v in os.environ.items() if _ACTIVE.get(k) != v}
+
+
+_FIRST: List[str] = []  # the scope of this process's first oneCCL communicator (note_first)
+
+
+def note_first(scope: Optional[str]) -> None:
+    """Record the process's first oneCCL communicator (its scope, equal on
+    its members): oneCCL made its transport for that communicator's members."""
+    with _LOCK:
+        if not _FIRST and scope:
+            _FIRST.append(scope)
+
+
+def first_communicator() -> Optional[str]:
+    """The scope of this process's first oneCCL communicator (None: none yet)."""
+    return _FIRST[0] if _FIRST else None
 
 
 def in_effect() -> Dict[str, Optional[str]]:
@@ -371,7 +389,42 @@ def agree(topo: "TopologyLike", facts: Sequence["RankFactsLike"]) -> Agreed:
                 by.setdefault(vs, []).append(r)
             conflicts[name] = f"{name}: " + "; ".join(f"{_ranks(rs)}: {v!r} ({src})" for (v, src), rs
                                                       in sorted(by.items(), key=lambda kv: kv[1][0]))
+    problem = _outside_first(facts)
+    if problem:
+        conflicts["CCL_ATL_SHM"] = (conflicts["CCL_ATL_SHM"] + "; " if "CCL_ATL_SHM" in conflicts else "") + problem
     return Agreed(values, conflicts, mine)
+
+
+def _over_tcp(f: "RankFactsLike") -> bool:
+    """Whether rank ``f``'s oneCCL runs without shared memory since its first init."""
+    got = {k: v for (k, v, src) in f.bound if src == IN_EFFECT}
+    return got.get("CCL_ATL_SHM") == "0" and got.get("FI_PROVIDER") not in (None, "", "shm")
+
+
+def _outside_first(facts: Sequence["RankFactsLike"]) -> Optional[str]:
+    """Why a communicator of ``facts``' ranks would never finish its creation
+    (None: it can): a rank whose oneCCL runs with shared memory since its
+    process's first oneCCL communicator can reach only that communicator's
+    members, and a rank here was not one (a process of another job, a server
+    started on its own, or a rank whose own first communicator came later).
+    oneCCL sized its transport for that communicator (docs/design.md, section
+    'A process's first oneCCL communicator spans the world'); nothing but a
+    new process changes it. Every rank sees the same facts: every rank raises."""
+    fixed = [f for f in facts if getattr(f, "first", None) and not _over_tcp(f)]
+    if not fixed:
+        return None
+    stuck = sorted({f.rank for f in fixed if any(g.first != f.first for g in facts)})
+    if not stuck:
+        return None
+    outside = sorted({g.rank for f in fixed if f.rank in stuck for g in facts if g.first != f.first})
+    return (f"{_ranks(stuck)} run oneCCL with shared memory since their process's first oneCCL communicator, "
+            f"which {_ranks(outside)} of this one did not belong to (a process of another job, such as a server "
+            f"started on its own, or a rank that made another communicator first): oneCCL made its transport "
+            f"for that first communicator's members only, so this communicator's creation would never finish. "
+            f"Start every process that joins communicators beyond its first one (the trainer's ranks and the "
+            f"server alike) with CCL_ATL_SHM=0 FI_PROVIDER=tcp in its environment (oneCCL then runs over TCP "
+            f"from its first communicator on: docs/backends-and-defaults.md says what it costs), or make this "
+            f"communicator each process's first")
 
 
 def plan(topo: "TopologyLike", backend: str, environ: Optional[Mapping[str, str]] = None,

@@ -87,6 +87,8 @@ class RankFacts:
     defaults: bool = True                                   # streamcoll applies defaults (env.enabled())
     job_size: Optional[int] = None                          # the launcher's world size (WORLD_SIZE), if known
     own: Tuple[Tuple[str, str, str], ...] = ()              # env.own(): streamcoll's own must-agree settings
+    job: str = ""                                           # its launched job (job_token()); "" unknown
+    first: Optional[str] = None                             # the scope of its first oneCCL communicator
 
     def to_json(self) -> str:
         """Compact JSON (the CPU list as ranges, ``"0..63"``), see :func:`to_plain`."""
@@ -168,7 +170,22 @@ def local_facts(rank: int, store: Any = None) -> RankFacts:
     addr = rendezvous_address(store)
     route = route_to(addr) if addr else None
     return RankFacts(rank, ident, machine, network, socket.gethostname(), os.getpid(), _node(rank), _cpus(), route,
-                     env.bound(), env.enabled(), _job_size(), env.own())
+                     env.bound(), env.enabled(), _job_size(), env.own(), job_token(), env.first_communicator())
+
+
+def job_token() -> str:
+    """What every rank of one launched job shares and a process of another
+    job (a server started on its own) does not: the launcher's rendezvous
+    address and run id (torchrun's, or what streamcoll exported for srun and
+    mpiexec) and SLURM's job and step; "" where no launcher is seen."""
+    from . import launchers
+    env = os.environ
+    parts = [env.get(v, "").strip() for v in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")]
+    try:
+        parts.append(launchers.job_scope())
+    except ValueError:
+        pass
+    return "|".join(parts) if any(parts) else ""
 
 
 def _job_size() -> Optional[int]:
@@ -254,6 +271,7 @@ class Layout:
     agreed: Dict[str, Optional[str]] = field(default_factory=dict)
     conflicts: Dict[str, str] = field(default_factory=dict)
     job_size: Optional[int] = None       # the launcher's world size its ranks report (largest), if known
+    jobs: int = 1                        # launched jobs its ranks come from (RankFacts.job; "" counts as one)
     # streamcoll's own must-agree settings (streamcoll.startup.env_defaults.OWN): the value every communicator of
     # this layout, and of every sub-group derived from it, runs with
     own: Dict[str, str] = field(default_factory=dict)
@@ -266,9 +284,14 @@ def compute(facts: Sequence[RankFacts]) -> Layout:
     for i, f in enumerate(facts):
         if f.rank != i:
             raise ValueError(f"facts: entry {i} holds rank {f.rank}'s facts")
+    # A host is (identity, the launcher's node). The node tells hosts apart inside one job only: ranks
+    # of several jobs on one identity (a trainer and a server started on its own) share that host.
+    jobs: Dict[str, Set[str]] = {}
+    for f in facts:
+        jobs.setdefault(f.identity, set()).add(f.job)
     groups: Dict[Tuple[str, Optional[int]], List[RankFacts]] = {}
     for f in facts:
-        groups.setdefault((f.identity, f.node), []).append(f)
+        groups.setdefault((f.identity, f.node if len(jobs[f.identity]) == 1 else None), []).append(f)
     machines: Dict[str, int] = {}
     networks: Dict[str, int] = {}
     cpus: Dict[int, set] = {}
@@ -279,7 +302,7 @@ def compute(facts: Sequence[RankFacts]) -> Layout:
         for f in members:
             cpus.setdefault(m, set()).update(f.cpus)
         names = tuple(dict.fromkeys(f.hostname for f in members))
-        hosts.append(Host(tuple(f.rank for f in members), first.node, m,
+        hosts.append(Host(tuple(f.rank for f in members), first.node if len(jobs[first.identity]) == 1 else None, m,
                           networks.setdefault(first.network, len(networks)), names,
                           first.route.iface if first.route else None))
     host_of = {r: i for i, h in enumerate(hosts) for r in h.ranks}
@@ -295,7 +318,7 @@ def compute(facts: Sequence[RankFacts]) -> Layout:
     sizes = [f.job_size for f in facts if f.job_size is not None]
     layout = Layout(len(facts), tuple(hosts), tuple(max(len(cpus[m]), 1) for m in range(len(machines))),
                     tuple(clashes), tuple(not core_each(sets[m]) for m in range(len(machines))),
-                    job_size=max(sizes) if sizes else None)
+                    job_size=max(sizes) if sizes else None, jobs=len({f.job for f in facts}))
     # The settings every rank must share, decided here once from every
     # rank's facts: the defaults from the layout, the values each
     # rank is bound to (the user's, or in effect) from its facts.

@@ -1,0 +1,192 @@
+"""A communicator between processes of different jobs (issue 45, the
+weight-sync shape): a trainer under real torchrun (2 ranks, its own
+streamcoll world first) and a server started with plain ``python`` make one
+3-rank communicator through a TCPStore the trainer's rank 0 hosts; rank 0
+broadcasts the weights. Each process then does the same broadcast through
+gloo (``ProcessGroupGloo`` on a PrefixStore of that store): the reference.
+
+- With oneCCL's default shared-memory transport the trainer's ranks can
+  reach only their first communicator's members (oneCCL made its transport
+  for them): every member refuses at once, naming why and the way out, and
+  the trainer's world goes on working. Before: all three hung until the
+  timeout and blamed "a rank that cannot reach rank 0's bootstrap address"
+  on "2 hosts".
+- Every process started with ``CCL_ATL_SHM=0 FI_PROVIDER=tcp``: the weights
+  arrive on all three, equal to gloo's, in both start orders; the members
+  are one host.
+- The shared communicator each process's first (the trainer skips its
+  world): works with the defaults.
+
+Plus the pure rules (:func:`streamcoll.startup.env_defaults.agree`,
+:func:`streamcoll.startup.topology.compute`) on hand-made facts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+import pytest
+
+from conftest import needs_oneccl
+from world import Processes, bare_env, free_port
+from streamcoll.startup import env_defaults as env, topology
+
+_JOB = r"""
+import json, os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+import streamcoll
+role, port, out, world_first = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+res = {}
+if role == "trainer":
+    rank = int(os.environ["RANK"])
+    if world_first:
+        dist.init_process_group("streamcoll", timeout=timedelta(seconds=30))
+        t = torch.ones(4); dist.all_reduce(t); res["world"] = t.tolist()
+    store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, timedelta(seconds=60), wait_for_workers=False)
+else:
+    rank = 2
+    store = dist.TCPStore("127.0.0.1", port, 3, False, timedelta(seconds=60))
+def weights():
+    return torch.arange(4096, dtype=torch.float32) * 0.5 + 1 if rank == 0 else torch.zeros(4096)
+t0 = time.monotonic()
+try:
+    c = streamcoll.new_communicator(backend="oneccl", device="cpu", store=store, rank=rank, world_size=3,
+                                    name="weights", timeout=20)
+    w = weights()
+    c.broadcast(w, src=0)
+    res["weights"] = w.tolist()[:8] + [float(w.sum())]
+    res["hosts"] = [list(h.ranks) for h in c.topology.layout.hosts]
+except Exception as e:
+    res["error"] = f"{type(e).__name__}: {e}"
+res["took"] = time.monotonic() - t0
+g = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, 3, timedelta(seconds=30))
+w = weights()
+g.broadcast([w]).wait()
+res["gloo"] = w.tolist()[:8] + [float(w.sum())]
+if world_first:
+    t = torch.ones(4); dist.all_reduce(t); res["world_after"] = t.tolist()
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump(res, f)
+store.add("done", 1)  # the store's host (trainer rank 0) stays until every member wrote
+end = time.monotonic() + 30
+while int(store.add("done", 0)) < 3 and time.monotonic() < end:
+    time.sleep(0.05)
+"""
+
+TCP = {"CCL_ATL_SHM": "0", "FI_PROVIDER": "tcp"}
+
+
+def _run(tmp_path, first: str, world_first: bool, extra: Dict[str, str], delay: float = 2.0) -> List[dict]:
+    """The trainer (torchrun, 2 ranks) and the server (python), ``first``
+    started ``delay`` s before the other; every member's result."""
+    job = tmp_path / "job.py"
+    job.write_text(_JOB)
+    port, master = free_port(), free_port()
+    e = bare_env()
+    e.update(extra)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
+        e.pop(k, None)
+    ps = Processes(str(tmp_path))
+    trainer = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+               "127.0.0.1", "--master-port", str(master), str(job), "trainer", str(port), str(tmp_path),
+               "1" if world_first else "0"]
+    server = [sys.executable, str(job), "server", str(port), str(tmp_path), "0"]
+    order = [(trainer, "trainer.out"), (server, "server.out")]
+    if first == "server":
+        order.reverse()
+    try:
+        ps.start(order[0][0], e, order[0][1])
+        time.sleep(delay)
+        ps.start(order[1][0], e, order[1][1])
+        ps.wait_all(90)
+        logs = "\n".join(f"--- {n}\n" + (tmp_path / n).read_text()[-3000:] for n in ("trainer.out", "server.out"))
+        out = []
+        for r in range(3):
+            p = tmp_path / f"rank{r}.json"
+            assert p.exists(), f"rank {r} wrote no result\n{logs}"
+            out.append(json.loads(p.read_text()))
+        assert all(p.returncode == 0 for p in ps.procs), logs
+        return out
+    finally:
+        ps.kill()
+
+
+@needs_oneccl
+def test_shared_memory_members_of_another_first_communicator_refuse_at_once(tmp_path):
+    res = _run(tmp_path, "trainer", True, {})
+    for r, x in enumerate(res):
+        assert "error" in x, (r, x)
+        assert "CommunicatorError" in x["error"] and "CCL_ATL_SHM=0 FI_PROVIDER=tcp" in x["error"], (r, x)
+        assert "ranks 0, 1 run oneCCL with shared memory" in x["error"] and "rank 2 of this one" in x["error"], x
+        assert x["took"] < (2.0 if r == 2 else 4.5), (r, x)  # the trainer's ranks waited up to 2 s for the server
+        assert x["gloo"][-1] == sum(i * 0.5 + 1 for i in range(4096)), x
+    for x in res[:2]:
+        assert x["world"] == x["world_after"] == [2.0] * 4, x  # the trainer's own world keeps working
+
+
+@needs_oneccl
+@pytest.mark.parametrize("first", ["trainer", "server"])
+def test_weights_over_tcp_in_both_start_orders_equal_to_gloo(tmp_path, first):
+    res = _run(tmp_path, first, True, TCP)
+    for r, x in enumerate(res):
+        assert "error" not in x, (r, x)
+        assert x["weights"] == x["gloo"], (r, x)
+        assert x["hosts"] == [[0, 1, 2]], (r, x)  # one host: the node tells hosts apart inside one job only
+    late = [2] if first == "trainer" else [0, 1]
+    for r in late:
+        assert res[r]["took"] < 5.0, (r, res[r])
+    for x in res[:2]:
+        assert x["world"] == x["world_after"] == [2.0] * 4, x
+
+
+@needs_oneccl
+def test_the_shared_communicator_first_works_with_the_defaults(tmp_path):
+    res = _run(tmp_path, "trainer", False, {}, delay=1.0)
+    for r, x in enumerate(res):
+        assert "error" not in x and x["weights"] == x["gloo"], (r, x)
+
+
+# ------------------------------------------------------------------ the rules
+def _facts(rank: int, first=None, shm="1", job="j", identity="H", node=0, provider="shm"):
+    bound = ((("CCL_ATL_SHM", shm, env.IN_EFFECT), ("FI_PROVIDER", provider, env.IN_EFFECT))
+             if first is not None else ())
+    return topology.RankFacts(rank, identity, "M", "N", "h", 100 + rank, node, (0, 1), None, bound, True, None,
+                              (), job, first)
+
+
+def test_agree_refuses_a_member_outside_a_shared_memory_first_communicator():
+    facts = [_facts(0, "A"), _facts(1, "A"), _facts(2, None, job="k", node=None)]
+    layout = topology.compute(facts)
+    why = layout.conflicts.get("CCL_ATL_SHM", "")
+    assert "ranks 0, 1 run oneCCL with shared memory" in why and "rank 2 of this one" in why, why
+    # a rank whose first communicator was another one: refused the same way
+    why = topology.compute([_facts(0, "A"), _facts(1, "B")]).conflicts.get("CCL_ATL_SHM", "")
+    assert "ranks 0, 1" in why and "ranks 0, 1 of this one" in why, why
+
+
+def test_agree_accepts_a_subset_of_the_first_communicator_tcp_or_everyone_new():
+    for facts in ([_facts(0, "A"), _facts(1, "A")],                      # members of one first communicator
+                  [_facts(0), _facts(1, job="k", node=None)],            # everyone's first
+                  [_facts(0, "A", shm="0", provider="tcp"), _facts(1, "B", shm="0", provider="tcp"),
+                   _facts(2, None, job="k", node=None)]):                # TCP since their first
+        assert "CCL_ATL_SHM" not in topology.compute(facts).conflicts, facts
+    # CCL_ATL_SHM=0 alone is not enough (oneCCL's subgroups hung with it: facts.md)
+    facts = [_facts(0, "A", shm="0", provider="shm"), _facts(1, None, job="k", node=None)]
+    assert "CCL_ATL_SHM" in topology.compute(facts).conflicts
+
+
+def test_ranks_of_several_jobs_on_one_identity_are_one_host():
+    # one job, two nodes on one identity: two simulated hosts, as before
+    two = topology.compute([_facts(0, node=0), _facts(1, node=1)])
+    assert [h.ranks for h in two.hosts] == [(0,), (1,)]
+    # a server of another job beside them: the node no longer tells them apart
+    one = topology.compute([_facts(0, node=0), _facts(1, node=0), _facts(2, job="k", node=None)])
+    assert [h.ranks for h in one.hosts] == [(0, 1, 2)] and one.jobs == 2
+    # other identities stay other hosts
+    apart = topology.compute([_facts(0, node=0), _facts(1, job="k", identity="G", node=None)])
+    assert [h.ranks for h in apart.hosts] == [(0,), (1,)]
