@@ -31,7 +31,7 @@ from ..diagnostics import shm_regions, watchdog
 from ..core.env_vars import read_int
 from .._ffi.errors import BackendUnavailableError, CommunicatorError, UsageError
 from .rendezvous import Meeting  # noqa: F401  (bootstrap's, as before)
-from .rendezvous import _get_store, _world_size, rendezvous as _rendezvous
+from .rendezvous import _get_store, _world_size, rendezvous as _rendezvous, store_at, parse_address
 
 log = logging.getLogger("streamcoll.startup.bootstrap")
 
@@ -169,14 +169,19 @@ def new_communicator(
     under srun or mpiexec :mod:`streamcoll.startup.launchers` sets them from theirs);
     ``device`` defaults to ``cuda:LOCAL_RANK`` where CUDA is available, else
     cpu; ``backend`` defaults by device (cpu, xpu: oneccl; cuda: nccl).
-    ``store`` is any torch.distributed Store; by default the one
-    torch.distributed was initialised with, else the env:// rendezvous.
+    ``store`` is any torch.distributed Store, or an address ``"host:port"``
+    (processes of different jobs, no launcher variables needed: rank 0
+    hosts a TCPStore there unless one listens already, the others connect;
+    docs/api.md, "Beyond one job"); by default the one torch.distributed
+    was initialised with, else the env:// rendezvous.
     Its timeout stays as it is: every wait here passes its own.
     ``known_topology``: these ranks' topology where already known (a
     subgroup's, :func:`group_topology`); used on rank 0, which then reads
     no other rank's facts (the others take rank 0's).
     """
     t = _seconds(timeout)
+    if isinstance(store, str):
+        parse_address(store)  # a bad address is a ValueError naming store, before anything else
     if store is None or rank is None or world_size is None:  # srun, mpiexec: torchrun's variables from theirs
         launchers.adopt(rendezvous=store is None)
     if rank is None:
@@ -216,6 +221,8 @@ def new_communicator(
     spans_world = store is None and world_size == _world_size()
     if store is None:
         store = _get_store(rank, world_size, t)
+    elif isinstance(store, str):  # processes of different jobs: rank 0 hosts it there unless a store listens
+        store = store_at(store, rank, world_size, t)
 
     made: Dict[str, Dict[str, str]] = {}  # "settings": the native calls' environment; "own": env.OWN's values
 

@@ -26,7 +26,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from . import launchers, topology
 from ..core.env_vars import read_int
@@ -134,6 +134,60 @@ def _get_store(rank: int, world_size: int, timeout: float):
             ) from None
         _STORE = store
     return _STORE
+
+
+_AT: Dict[Tuple[str, int], Any] = {}  # store_at's servers and clients, one per address in this process
+
+
+def parse_address(address: str) -> Tuple[str, int]:
+    """``host:port`` (``[v6]:port``, an optional ``tcp://``) of ``store=``;
+    a ValueError naming ``store`` otherwise."""
+    text = address.strip()
+    if text.startswith("tcp://"):
+        text = text[len("tcp://"):]
+    host, sep, port_text = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        port = int(port_text)
+    except ValueError:
+        port = -1
+    if not sep or not host or not 0 < port < 2 ** 16:
+        raise ValueError(f"store: expected a torch.distributed Store or an address 'host:port', got {address!r}")
+    return host, port
+
+
+def store_at(address: str, rank: int, world_size: int, timeout: float) -> Any:
+    """The TCPStore at ``address`` for a communicator's ranks that share no
+    launcher (processes of different jobs): rank 0 hosts it where nothing
+    listens there yet, else (another job's store already listens: the
+    trainer's own) every rank is a client; a client waits for the server
+    within ``timeout`` and says so. One store per address in a process."""
+    import torch.distributed as dist
+    host, port = parse_address(address)
+    got = _AT.get((host, port))
+    if got is not None:
+        return got
+    store = None
+    if rank == 0:
+        try:
+            store = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout), wait_for_workers=False,
+                                  multi_tenant=True)
+        except (RuntimeError, OSError) as e:
+            if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
+                raise RendezvousError(
+                    f"rendezvous failed on rank 0 of {world_size}: could not start a store server at {host}:{port} "
+                    f"({_first_lines(e)}). Check that {host} is an address of this host, or start a store there "
+                    f"first and pass it", [], host, port, world_size, None) from None
+    if store is None:
+        _wait_for_server(host, port, rank, world_size, timeout, False)
+        try:
+            store = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout))
+        except (RuntimeError, OSError) as e:
+            raise RendezvousError(
+                f"rendezvous failed on rank {rank} of {world_size}: no store server answered at {host}:{port} "
+                f"within {timeout:g} s ({_first_lines(e)})", [0], host, port, world_size, None) from None
+    _AT[(host, port)] = store
+    return store
 
 
 def _wait_for_server(addr: str, port: int, rank: int, world_size: int, timeout: float, agent: bool) -> None:

@@ -190,3 +190,50 @@ def test_ranks_of_several_jobs_on_one_identity_are_one_host():
     # other identities stay other hosts
     apart = topology.compute([_facts(0, node=0), _facts(1, job="k", identity="G", node=None)])
     assert [h.ranks for h in apart.hosts] == [(0,), (1,)]
+
+
+# ------------------------------------------------------------------ the example
+def _example(tmp_path, backend: str) -> dict:
+    """examples/weight_sync.py: the trainer under torchrun (2 ranks) and the
+    server (asyncio) with ``python``; what each printed."""
+    from conftest import ROOT
+    ex = os.path.join(ROOT, "examples", "weight_sync.py")
+    port, master = free_port(), free_port()
+    e = bare_env()
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
+        e.pop(k, None)
+    d = tmp_path / backend
+    d.mkdir()
+    ps = Processes(str(d))
+    common = ["--store", f"127.0.0.1:{port}", "--backend", backend, "--steps", "6", "--every", "2", "--timeout", "30"]
+    try:
+        ps.start([sys.executable, ex, "server"] + common, e, "server.out", "server.err")
+        ps.start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                  "127.0.0.1", "--master-port", str(master), ex, "trainer"] + common, e, "trainer.out", "trainer.err")
+        ps.wait_all(120)
+        text = {n: (d / n).read_text() for n in ("server.out", "server.err", "trainer.out", "trainer.err")}
+        assert all(p.returncode == 0 for p in ps.procs), {k: v[-2000:] for k, v in text.items()}
+        lines = [json.loads(x) for x in text["server.out"].splitlines() if x.startswith("{")]
+        sent = [json.loads(x)["sent"] for x in text["trainer.out"].splitlines() if x.startswith('{"step"')]
+        return {"server": lines[-1], "sent": sent}
+    finally:
+        ps.kill()
+
+
+@needs_oneccl
+def test_the_weight_sync_example_gives_gloos_values(tmp_path):
+    """The server (started first, asyncio) gets the trainer's weights every
+    2 steps and evaluates with them: the values gloo's run of the same
+    program gives; its ticker ran while each broadcast was awaited."""
+    ours = _example(tmp_path, "streamcoll")
+    ref = _example(tmp_path, "gloo")
+    assert ours["server"]["server"] == ref["server"]["server"], (ours, ref)
+    assert [s["received"] for s in ours["server"]["server"]] == ours["sent"] and len(ours["sent"]) == 3, ours
+    assert ours["server"]["ticks_while_awaiting"] > 0, ours  # the loop ran during the waits
+
+
+def test_a_bad_store_address_names_store():
+    import streamcoll
+    for bad in ("127.0.0.1", "host:port", ":29500", "127.0.0.1:0", "127.0.0.1:70000"):
+        with pytest.raises(ValueError, match="store: expected"):
+            streamcoll.new_communicator(backend="oneccl", device="cpu", store=bad, rank=0, world_size=2)
