@@ -364,6 +364,7 @@ class _Job:
         self.comm = comm
         self.background = background  # nobody waits: the thread logs the report and dumps again
         self.started = time.monotonic()
+        self.reported = threading.Event()  # a background report: logged
         self.alarm = alarm
         self.answer = answer
         self.budget = budget
@@ -389,10 +390,18 @@ def _stop_at_exit() -> None:
     comes back from a store request (a torch C++ call, GIL released) during
     finalization is ended by ``pthread_exit`` inside torch's code, which
     aborts the process ("terminate called without an active exception")."""
+    t = _THREAD
+    alive = t is not None and t.is_alive() and t is not threading.current_thread()
+    if alive:
+        # A report gathered in the background (a call past its own timeout=) is logged before
+        # the exit: its error said it would follow. Bounded by its wait for the answers.
+        with _LOCK:
+            pending = [j for j in _JOBS if j.background]
+        for j in pending:
+            j.reported.wait(max(0.0, j.deadline - time.monotonic()) + FINAL_S)
     _STOP.set()
     _WAKE.set()
-    t = _THREAD
-    if t is not None and t.is_alive() and t is not threading.current_thread():
+    if alive:
         t.join(EXIT_JOIN_S)
 
 
@@ -440,10 +449,13 @@ def _round() -> None:
         if j.raised and not j.done.is_set():
             _collect(j, now)
         if j.background and j.done.is_set():
-            with _LOCK:
-                if j in _JOBS:
-                    _JOBS.remove(j)
-            _report_in_background(j)
+            try:
+                _report_in_background(j)
+            finally:
+                j.reported.set()
+                with _LOCK:
+                    if j in _JOBS:
+                        _JOBS.remove(j)
     _prune()
 
 
