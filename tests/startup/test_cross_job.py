@@ -237,3 +237,76 @@ def test_a_bad_store_address_names_store():
     for bad in ("127.0.0.1", "host:port", ":29500", "127.0.0.1:0", "127.0.0.1:70000"):
         with pytest.raises(ValueError, match="store: expected"):
             streamcoll.new_communicator(backend="oneccl", device="cpu", store=bad, rank=0, world_size=2)
+
+
+_DEAD = r"""
+import json, os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+import streamcoll
+role, addr, out = sys.argv[1], sys.argv[2], sys.argv[3]
+res = {}
+if role == "trainer":
+    dist.init_process_group("streamcoll", timeout=timedelta(seconds=30))
+    rank = dist.get_rank()
+    if rank == 0:
+        c = streamcoll.new_communicator(backend="oneccl", device="cpu", store=addr, rank=0, world_size=2,
+                                        name="weights", timeout=20)
+        c.broadcast(torch.ones(8), src=0)
+        dist.TCPStore(addr.split(":")[0], int(addr.split(":")[1]), None, False).wait(["server-gone"])
+        t0 = time.monotonic()
+        try:
+            c.broadcast(torch.ones(1 << 16), src=0, timeout=3)
+            res["second"] = ["returned", time.monotonic() - t0, ""]
+        except Exception as e:
+            res["second"] = [type(e).__name__, time.monotonic() - t0, str(e)]
+    t = torch.ones(4)
+    t0 = time.monotonic()
+    dist.all_reduce(t)  # the trainer's world after the weight-sync communicator failed
+    res["world"] = [t.tolist(), time.monotonic() - t0]
+    with open(os.path.join(out, f"trainer{rank}.json"), "w") as f:
+        json.dump(res, f)
+else:
+    c = streamcoll.new_communicator(backend="oneccl", device="cpu", store=addr, rank=1, world_size=2,
+                                    name="weights", timeout=20)
+    w = torch.zeros(8)
+    c.broadcast(w, src=0)
+    print("SERVER GOT", float(w.sum()), flush=True)
+"""
+
+
+@needs_oneccl
+def test_a_dead_server_fails_the_weight_sync_call_only(tmp_path):
+    """The server dies after the first sync: the trainer's next broadcast
+    (its own timeout=3) raises CollectiveTimeout at 3 s; the report
+    gathered after it, logged before the exit, names rank 1 as not
+    answering; the trainer's own world goes on."""
+    job = tmp_path / "dead.py"
+    job.write_text(_DEAD)
+    port, master = free_port(), free_port()
+    addr = f"127.0.0.1:{port}"
+    e = bare_env()
+    e.update(TCP, STREAMCOLL_WATCHDOG="fail")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
+        e.pop(k, None)
+    ps = Processes(str(tmp_path))
+    try:
+        ps.start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                  "--master-port", str(master), str(job), "trainer", addr, str(tmp_path)], e, "trainer.out")
+        server = ps.start([sys.executable, str(job), "server", addr, str(tmp_path)], e, "server.out")
+        server.wait(60)
+        from torch.distributed import TCPStore
+        TCPStore("127.0.0.1", port, None, False).set("server-gone", "1")  # the server process has ended
+        ps.wait_all(60)
+        log = (tmp_path / "trainer.out").read_text()
+        assert "SERVER GOT 8.0" in (tmp_path / "server.out").read_text()
+        r0 = json.loads((tmp_path / "trainer0.json").read_text())
+        r1 = json.loads((tmp_path / "trainer1.json").read_text())
+        kind, took, msg = r0["second"]
+        assert kind == "CollectiveTimeout" and 2.9 < took < 4.5 and "its own timeout (3 s" in msg, r0
+        assert "who and where: the other ranks are being asked" in msg, msg
+        assert r0["world"][0] == r1["world"][0] == [2.0] * 4, (r0, r1)
+        assert "rank 1 did not answer within 2 s" in log and "passed its own timeout=" in log, log[-3000:]
+        assert ps.procs[0].returncode == 0, log[-3000:]
+    finally:
+        ps.kill()
