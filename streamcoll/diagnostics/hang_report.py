@@ -401,7 +401,7 @@ def _stop_at_exit() -> None:
             j.reported.wait(max(0.0, j.deadline - time.monotonic()) + FINAL_S)
     _STOP.set()
     _WAKE.set()
-    if alive:
+    if alive and t is not None:
         t.join(EXIT_JOIN_S)
 
 
