@@ -13,7 +13,10 @@ reported to the caller (``Work.wait(timeout)``) arrives here through
 A normal exit while a oneCCL call is still running would crash in the
 library's teardown (measured: SIGSEGV): :func:`skip_native_teardown`
 registers a C ``on_exit`` handler that calls ``_exit(status)`` before the
-libraries' destructors run, keeping the exit status.
+libraries' destructors run, keeping the exit status. An MPI that
+streamcoll's own rendezvous initialised (mpi4py, under ``mpiexec``) is
+finalised at exit by :func:`finalize_mpi_unless_stuck`, which skips it
+then: ``MPI_Finalize`` waits for every rank, and a hung one never comes.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from ..core import recorder
 from .._ffi.errors import CollectiveTimeout
 from . import hang_report, shm_regions
 
-__all__ = ["EXIT_CODE", "mode", "handle_timeout", "skip_native_teardown", "who_and_where"]
+__all__ = ["EXIT_CODE", "mode", "handle_timeout", "skip_native_teardown", "who_and_where", "defer_mpi_finalize"]
 
 log = logging.getLogger("streamcoll.diagnostics.watchdog")  # the watchdog's reports: one logger
 
@@ -171,6 +174,44 @@ def skip_native_teardown() -> bool:
 
         atexit.register(exit_now, 1)
         return False
+
+
+def defer_mpi_finalize() -> None:
+    """Called before streamcoll's rendezvous first imports mpi4py's ``MPI``
+    (which initialises MPI): mpi4py would call ``MPI_Finalize`` at the very
+    end of the interpreter's exit, where the status is unknown, and that
+    waits for every rank of the job (MPICH: a PMI barrier). After a hang
+    that is forever: with ``STREAMCOLL_WATCHDOG=fail`` a normal exit hung
+    there under ``mpiexec`` (seen: ``sys.exit(3)`` after a CollectiveTimeout
+    never ended the rank, so the launcher never tore the job down). So
+    mpi4py's own finalize is turned off and an ``atexit`` handler finalises
+    instead, unless a native call can never return; the exit then keeps its
+    status (:func:`skip_native_teardown`). A program's own choice
+    (``mpi4py.rc.initialize``/``finalize``, ``MPI4PY_RC_*``) is left alone."""
+    try:
+        import mpi4py
+    except ImportError:
+        return
+    rc = mpi4py.rc
+    if rc.finalize is not None or rc.initialize is not True or any(
+            os.environ.get(f"MPI4PY_RC_{n}") for n in ("FINALIZE", "INITIALIZE")):
+        return
+    rc.finalize = False
+    import atexit
+    atexit.register(finalize_mpi_unless_stuck)
+
+
+def finalize_mpi_unless_stuck() -> None:
+    """At exit: ``MPI_Finalize``, as mpi4py would, unless a native call can
+    never return (:func:`defer_mpi_finalize`)."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if _SKIP_REGISTERED or MPI is None:
+        return
+    try:
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()
+    except Exception as e:  # noqa: BLE001  (mpi4py's own exit hook reported nothing either)
+        log.debug("streamcoll: MPI_Finalize at exit raised %r", e)
 
 
 def exit_now(code: int = EXIT_CODE) -> None:

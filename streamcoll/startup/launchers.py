@@ -27,10 +27,12 @@ import logging
 import os
 import re
 import socket
+import sys
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Mapping, MutableMapping, NamedTuple, Optional, Tuple
 
 from .._ffi.errors import RendezvousError
+from ..diagnostics import failure
 from .hosts import host_identity, ipv4_addresses
 
 __all__ = ["Launcher", "Launch", "TABLE", "detect", "adopt", "current", "first_host", "tasks_on_node",
@@ -274,6 +276,8 @@ def _mpi4py() -> Any:
     if importlib.util.find_spec("mpi4py") is None:
         return None
     try:
+        if "mpi4py.MPI" not in sys.modules:
+            failure.defer_mpi_finalize()  # its MPI_Finalize at exit would wait for a hung rank for good
         from mpi4py import MPI
     except Exception as e:  # ImportError (a library's symbols), RuntimeError (MPI_Init)
         _MPI4PY_ERROR = f"mpi4py is installed but its MPI did not load: {type(e).__name__}: {e}"

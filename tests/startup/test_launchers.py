@@ -17,20 +17,16 @@ it these tests skip and say so."""
 from __future__ import annotations
 
 import json
-import os
-import shlex
-import shutil
 import subprocess
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import pytest
 
 from conftest import ROOT, needs_oneccl
-from launching import VENV, VPY, command, venv_why_not
+from launching import VENV, VPY, command, job_env, slurm_start, slurm_stop, torchrun, venv_why_not
 from world import free_port
 
-SLURM_LOCAL = os.path.join(ROOT, "scripts", "slurm_local.sh")
 # One xdist worker for every SLURM test (this module's one-node SLURM and
 # test_two_nodes' two-node one): each module starts its SLURM once, in a fixed
 # place, and a second worker's start ends the first's (seen: "node01 is not
@@ -39,9 +35,6 @@ SLURM_LOCAL = os.path.join(ROOT, "scripts", "slurm_local.sh")
 pytestmark = [pytest.mark.launchers, pytest.mark.world, pytest.mark.slow, needs_oneccl,
               pytest.mark.xdist_group("slurm")]
 
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-                  "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-
 
 @pytest.fixture(scope="module")
 def venv():
@@ -49,18 +42,6 @@ def venv():
     if why:
         pytest.skip(why)
     return VENV
-
-
-def job_env(path_first: Optional[object] = None, **extra: str) -> Dict[str, str]:
-    """The environment of a user's shell: no launcher variables (the
-    conftest's MASTER_ADDR included), the checkout first on PYTHONPATH."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCHER_VARS and not k.startswith(("SLURM_", "PMI_", "OMPI_", "PMIX_", "MPI_LOCAL"))}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    if path_first is not None:
-        env["PATH"] = f"{path_first}:{env.get('PATH', '')}"
-    env.update(extra)
-    return env
 
 
 def run(cmd: str, env: Dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -121,13 +102,6 @@ def test_the_readme_names_a_command_for_every_launcher():
         command(pattern)
 
 
-def torchrun(cmd: str, python: str) -> str:
-    """A README torchrun line as ``python -m torch.distributed.run`` with a
-    free port (the test's world may not take a fixed one)."""
-    return cmd.replace("torchrun ", f"{shlex.quote(python)} -m torch.distributed.run --master-addr 127.0.0.1 "
-                                    f"--master-port {free_port()} ", 1)
-
-
 def test_torchrun():
     compare_with_gloo(torchrun(command(r"^torchrun .*launch_job"), sys.executable), job_env(), "torchrun")
 
@@ -135,14 +109,8 @@ def test_torchrun():
 # ------------------------------------------------------------------ SLURM
 @pytest.fixture(scope="module")
 def slurm(venv):
-    if shutil.which("bash") is None:
-        pytest.skip("no bash")
-    p = subprocess.run(["bash", SLURM_LOCAL, "start"], capture_output=True, text=True, timeout=300)
-    if p.returncode != 0:
-        pytest.skip(f"no one-node SLURM here (scripts/slurm_local.sh start: exit {p.returncode}: "
-                    f"{p.stderr.strip()[-500:]})")
-    yield p.stdout.strip().splitlines()[-1]
-    subprocess.run(["bash", SLURM_LOCAL, "stop"], capture_output=True, timeout=60)
+    yield slurm_start()
+    slurm_stop()
 
 
 def test_srun(slurm, venv):
