@@ -260,6 +260,13 @@ if role == "trainer":
             res["second"] = ["returned", time.monotonic() - t0, ""]
         except Exception as e:
             res["second"] = [type(e).__name__, time.monotonic() - t0, str(e)]
+        # the server restarted: a new communicator under a new name
+        t0 = time.monotonic()
+        d = streamcoll.new_communicator(backend="oneccl", device="cpu", store=addr, rank=0, world_size=2,
+                                        name="weights2", timeout=20)
+        w = torch.full((8,), 3.0)
+        d.broadcast(w, src=0)
+        res["restarted"] = [float(w.sum()), time.monotonic() - t0]
     t = torch.ones(4)
     t0 = time.monotonic()
     dist.all_reduce(t)  # the trainer's world after the weight-sync communicator failed
@@ -268,7 +275,7 @@ if role == "trainer":
         json.dump(res, f)
 else:
     c = streamcoll.new_communicator(backend="oneccl", device="cpu", store=addr, rank=1, world_size=2,
-                                    name="weights", timeout=20)
+                                    name=role, timeout=20)
     w = torch.zeros(8)
     c.broadcast(w, src=0)
     print("SERVER GOT", float(w.sum()), flush=True)
@@ -280,7 +287,8 @@ def test_a_dead_server_fails_the_weight_sync_call_only(tmp_path):
     """The server dies after the first sync: the trainer's next broadcast
     (its own timeout=3) raises CollectiveTimeout at 3 s; the report
     gathered after it, logged before the exit, names rank 1 as not
-    answering; the trainer's own world goes on."""
+    answering; the server restarted joins a new communicator (a new name)
+    and gets the next weights; the trainer's own world goes on."""
     job = tmp_path / "dead.py"
     job.write_text(_DEAD)
     port, master = free_port(), free_port()
@@ -293,10 +301,11 @@ def test_a_dead_server_fails_the_weight_sync_call_only(tmp_path):
     try:
         ps.start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                   "--master-port", str(master), str(job), "trainer", addr, str(tmp_path)], e, "trainer.out")
-        server = ps.start([sys.executable, str(job), "server", addr, str(tmp_path)], e, "server.out")
+        server = ps.start([sys.executable, str(job), "weights", addr, str(tmp_path)], e, "server.out")
         server.wait(60)
         from torch.distributed import TCPStore
         TCPStore("127.0.0.1", port, None, False).set("server-gone", "1")  # the server process has ended
+        ps.start([sys.executable, str(job), "weights2", addr, str(tmp_path)], e, "server2.out")  # restarted
         ps.wait_all(60)
         log = (tmp_path / "trainer.out").read_text()
         assert "SERVER GOT 8.0" in (tmp_path / "server.out").read_text()
@@ -306,6 +315,7 @@ def test_a_dead_server_fails_the_weight_sync_call_only(tmp_path):
         assert kind == "CollectiveTimeout" and 2.9 < took < 4.5 and "its own timeout (3 s" in msg, r0
         assert "who and where: the other ranks are being asked" in msg, msg
         assert r0["world"][0] == r1["world"][0] == [2.0] * 4, (r0, r1)
+        assert r0["restarted"][0] == 24.0 and "SERVER GOT 24.0" in (tmp_path / "server2.out").read_text(), r0
         assert "rank 1 did not answer within 2 s" in log and "passed its own timeout=" in log, log[-3000:]
         assert ps.procs[0].returncode == 0, log[-3000:]
     finally:
