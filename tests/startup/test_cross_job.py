@@ -43,6 +43,7 @@ import streamcoll
 role, port, out, world_first = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
 res = {}
 if role == "trainer":
+    streamcoll.launchers.adopt()  # torchrun's variables from mpiexec's (a no-op under torchrun)
     rank = int(os.environ["RANK"])
     if world_first:
         dist.init_process_group("streamcoll", timeout=timedelta(seconds=30))
@@ -81,9 +82,11 @@ while int(store.add("done", 0)) < 3 and time.monotonic() < end:
 TCP = {"CCL_ATL_SHM": "0", "FI_PROVIDER": "tcp"}
 
 
-def _run(tmp_path, first: str, world_first: bool, extra: Dict[str, str], delay: float = 2.0) -> List[dict]:
-    """The trainer (torchrun, 2 ranks) and the server (python), ``first``
-    started ``delay`` s before the other; every member's result."""
+def _run(tmp_path, first: str, world_first: bool, extra: Dict[str, str], delay: float = 2.0,
+         launcher: str = "torchrun") -> List[dict]:
+    """The trainer (2 ranks under ``launcher``: torchrun, or mpiexec from the
+    launchers venv) and the server (python), ``first`` started ``delay`` s
+    before the other; every member's result."""
     job = tmp_path / "job.py"
     job.write_text(_JOB)
     port, master = free_port(), free_port()
@@ -92,17 +95,23 @@ def _run(tmp_path, first: str, world_first: bool, extra: Dict[str, str], delay: 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
         e.pop(k, None)
     ps = Processes(str(tmp_path))
-    trainer = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-               "127.0.0.1", "--master-port", str(master), str(job), "trainer", str(port), str(tmp_path),
-               "1" if world_first else "0"]
+    args = [str(job), "trainer", str(port), str(tmp_path), "1" if world_first else "0"]
+    if launcher == "mpiexec":
+        from launching import VENV, job_env
+        te = job_env(VENV / "bin", **extra)
+        trainer = [str(VENV / "bin" / "mpiexec"), "-n", "2", str(VENV / "bin" / "python")] + args
+    else:
+        te = e
+        trainer = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                   "127.0.0.1", "--master-port", str(master)] + args
     server = [sys.executable, str(job), "server", str(port), str(tmp_path), "0"]
-    order = [(trainer, "trainer.out"), (server, "server.out")]
+    order = [(trainer, te, "trainer.out"), (server, e, "server.out")]
     if first == "server":
         order.reverse()
     try:
-        ps.start(order[0][0], e, order[0][1])
+        ps.start(order[0][0], order[0][1], order[0][2])
         time.sleep(delay)
-        ps.start(order[1][0], e, order[1][1])
+        ps.start(order[1][0], order[1][1], order[1][2])
         ps.wait_all(90)
         logs = "\n".join(f"--- {n}\n" + (tmp_path / n).read_text()[-3000:] for n in ("trainer.out", "server.out"))
         out = []
@@ -142,6 +151,23 @@ def test_weights_over_tcp_in_both_start_orders_equal_to_gloo(tmp_path, first):
         assert res[r]["took"] < 5.0, (r, res[r])
     for x in res[:2]:
         assert x["world"] == x["world_after"] == [2.0] * 4, x
+
+
+@needs_oneccl
+@pytest.mark.xfail(strict=True, reason="under MPICH's mpiexec the trainer's ranks (world first, CCL_ATL_SHM=0 "
+                   "FI_PROVIDER=tcp) and a python server stay in oneCCL's native init of the 3-rank communicator "
+                   "until its 20 s timeout (exit 86, 'a rank that cannot reach rank 0's bootstrap address'), where "
+                   "the same under torchrun works in 1-2 s: the cause (hydra's PMI variables?) not found yet")
+def test_a_trainer_under_mpiexec_and_a_server(tmp_path):
+    """The trainer under MPICH's mpiexec (mpi4py finds rank 0), the server
+    with python: the same weights as gloo's, one host."""
+    from launching import venv_why_not
+    why = venv_why_not()
+    if why:
+        pytest.skip(why)
+    res = _run(tmp_path, "trainer", True, TCP, launcher="mpiexec")
+    for r, x in enumerate(res):
+        assert "error" not in x and x["weights"] == x["gloo"] and x["hosts"] == [[0, 1, 2]], (r, x)
 
 
 @needs_oneccl
