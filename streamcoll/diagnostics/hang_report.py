@@ -242,6 +242,7 @@ class _Conn:
         if self.broken is not None:
             raise ConnectionError(self.broken)  # not used again
         _REQUESTS += 1
+        _BUSY.set()
         try:
             return getattr(self.store, name)(*args)
         except Exception as e:
@@ -249,6 +250,8 @@ class _Conn:
                 self.broken = f"the store did not answer ({type(e).__name__}: {e})"
                 log.debug("streamcoll hang report: %s", self.broken)
             raise
+        finally:
+            _BUSY.clear()
 
 
 def _socket_of(store: Any) -> Optional[int]:
@@ -325,7 +328,7 @@ def _conn(comm: Any) -> _Conn:
     if server is not None:
         c = _SERVERS.get(server)
         if c is None:
-            c = _SERVERS[server] = _clone(store)
+            c = _SERVERS[server] = _clone(store, server)
         return c
     try:
         c = _CONNS.get(store)
@@ -340,15 +343,27 @@ def _conn(comm: Any) -> _Conn:
     return c
 
 
-def _clone(store: Any) -> _Conn:
-    """A connection of the hang report's own to ``store``'s server."""
+def _clone(store: Any, server: Optional[Tuple[str, str, int]] = None) -> _Conn:
+    """A connection of the hang report's own to ``store``'s server (``server``:
+    its address, asked first with a plain connect: a clone of a TCPStore
+    whose server is gone retries for the store's whole timeout and logs C++
+    traces, a refused connect says it at once)."""
     why = _unsafe(store)
     if why is not None:
         return _Conn(None, why)
+    if server is not None:
+        try:
+            socket.create_connection((server[1], server[2]), timeout=REQUEST_TIMEOUT_S).close()
+        except OSError as e:
+            return _Conn(None, f"the store closed the connection (its host process ended): nothing answers at "
+                               f"{server[1]}:{server[2]} ({e})")
+    _BUSY.set()
     try:
         clone = store.clone()
     except Exception as e:
         return _Conn(None, f"its store could not be cloned ({type(e).__name__}: {e})")
+    finally:
+        _BUSY.clear()
     try:
         clone.set_timeout(timedelta(seconds=REQUEST_TIMEOUT_S))
     except Exception:
@@ -383,6 +398,8 @@ class _Job:
 
 _STOP = threading.Event()
 EXIT_JOIN_S = 1.0  # how long the interpreter's exit waits for the thread to leave a store request
+BUSY_JOIN_S = 6.0  # ... while it is inside one (a new connection: up to 5 s of reverse DNS lookup)
+_BUSY = threading.Event()  # the thread is inside a store request or a clone (a C++ call)
 
 
 def _stop_at_exit() -> None:
@@ -402,7 +419,11 @@ def _stop_at_exit() -> None:
     _STOP.set()
     _WAKE.set()
     if alive and t is not None:
+        # Finalization ends a daemon thread that comes back from torch's C++ with pthread_exit,
+        # which aborts the process: wait out a request (or a clone) the thread is inside.
         t.join(EXIT_JOIN_S)
+        if t.is_alive() and _BUSY.is_set():
+            t.join(BUSY_JOIN_S)
 
 
 def _ensure_thread() -> None:

@@ -336,7 +336,7 @@ def test_a_sync_call_still_inside_its_host_call_is_not_judged_by_a_stale_event()
 
 def test_cpu_sync_entries_are_not_watched_for_events():
     fr, _ = _gpu_ring(2)
-    cpu = types.SimpleNamespace(_gpu=False, is_gpu=False)
+    cpu = types.SimpleNamespace(_gpu=False, is_gpu=False, _deadlines={})
     fr.at(2).event, fr.at(2).t_enq = _Event(False), recorder.now_ns() - int(10e9)
     assert watchdog.watched(cpu, fr, 2) == []
     assert fr.state(cpu, fr.at(2)) == recorder.COMPLETED

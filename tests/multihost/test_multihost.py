@@ -369,7 +369,11 @@ if __name__ != "__main__":
             assert end[1] == 86, f"rank {r} exit {end[1]}\n{info}"
             # + the hang report's wait for the dead rank's answer (STREAMCOLL_HANG_REPORT_S, 2 s)
             assert DEATH_TIMEOUT <= took <= DEATH_TIMEOUT + 2.0 + 2.0, f"rank {r} ended {took:.2f} s after the kill\n{info}"
-            assert f"rank {victim} did not answer within 2 s" in run.log(r), info
+            # rank 0 hosts the store and exits once its report is done: a slower rank's report may
+            # then find the store gone (and says so) instead of naming the dead rank itself
+            log = run.log(r)
+            assert f"rank {victim} did not answer within 2 s" in log or (
+                r != 0 and "could not ask: the store" in log), info
             err = run.log(r)
             assert f"on rank {r} of {n}" in err and f"(timeout {DEATH_TIMEOUT:g} s)" in err, info
         stuck = [f for f in flight.analyze([run.flight_dir]) if f.kind != "missing_dump"]

@@ -13,6 +13,7 @@ from conftest import ROOT, TESTS
 
 _PROBE = r"""
 import glob, importlib, json, os, sys
+import torch, torch._dynamo  # torch's own: importing Dynamo sets TORCHINDUCTOR_CACHE_DIR (not a test module's doing)
 sys.path.insert(0, sys.argv[1])
 tests = sorted(glob.glob(os.path.join(sys.argv[1], "*", "test_*.py")))
 for d in sorted({os.path.dirname(p) for p in tests}):  # each test file's folder, as pytest puts it there
