@@ -282,7 +282,7 @@ if __name__ != "__main__":
 
     from streamcoll.diagnostics import flight, hang_answer, hang_report
 
-    from conftest import needs_oneccl
+    from conftest import ROOT, needs_oneccl
 
     ME = os.path.abspath(__file__)
 
@@ -295,6 +295,9 @@ if __name__ != "__main__":
             os.makedirs(self.flight_dir)
             self.start_ranks([sys.executable, ME, scenario], size,
                              dict({"HANG_OUT": self.dir, "STREAMCOLL_FLIGHT_DIR": self.flight_dir,
+                                   # this checkout's streamcoll, not an installed one (a script's
+                                   # sys.path has its own folder, not the repository's root)
+                                   "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                                    "TORCH_FR_DUMP_TEMP_FILE": os.path.join(self.dir, "fr", "trace_")},
                                   **(env or {})))
             os.makedirs(os.path.join(self.dir, "fr"))
