@@ -9,12 +9,17 @@ where its main thread is (``file:line in function``) and the streamcoll calls
 it is inside, on this or another communicator; a rank that does not answer
 in time is named as such.
 
-**Keys.** Under the communicator's store (``comm.store``: the PrefixStore
-``streamcoll/<name>/<size>/<n>/`` the rendezvous numbers through the store,
-so a second communicator of the same name on the same store, or a second run
-on a store kept alive, has keys of its own; a split's children share their
-parent's namespace and are told apart by name and size, as the checks'
-keys are), with ``K = hang/<communicator name>/<size>``:
+**Keys.** For a communicator streamcoll made over a TCPStore, at the
+server's root under ``streamcoll/hang/<scope>/`` (:attr:`scope`: a digest of
+the unique id and of a random nonce rank 0 drew at the rendezvous, so a
+second communicator of the same name on the same store, or a second run on
+a store kept alive, under whatever PrefixStore, has keys of its own; a
+split's child derives its scope from its parent's); else under the
+communicator's store (``comm.store``: the PrefixStore
+``streamcoll/<name>/<size>/<n>/`` the rendezvous numbers through the store;
+a split's children share their parent's namespace and are told apart by
+name and size, as the checks' keys are); with ``K = hang/<communicator
+name>/<size>``:
 
 - ``K/alarm``: set once (``compare_set``) by the first rank whose call timed
   out: JSON with its rank, the op, sequence and collective numbers, and a
@@ -45,7 +50,10 @@ with one ``check``: at most one request per communicator per watchdog pass
 answered. The requests go over a connection of its own, a ``clone()`` made
 by that thread: one per store server for the communicators streamcoll made
 over a TCPStore (their keys under the communicator's :attr:`scope`, a digest
-of its unique id, at the server's root), else one per store object; with a
+of its unique id and of a random nonce rank 0 drew at its rendezvous: the id
+alone names no run, oneCCL's being ``IP_port``; at the server's root, so
+equal for a second attempt on a kept store but for that nonce), else one per
+store object; with a
 request timeout of
 :data:`REQUEST_TIMEOUT_S`; never over the main thread's, which may be
 blocked in a store wait or a gloo call. Why a thread of its own and not the

@@ -515,7 +515,6 @@ if __name__ != "__main__":
                 s.close()
         return held
 
-    @pytest.mark.xfail(strict=True, reason="the scope (sha256 of name, size and the unique id) is not unique: oneCCL's unique id is 'IP_port', the first free port from 4096, so a second attempt on a kept store (torchrun's agent store: /worker/attempt_<n>, a PrefixStore the keys at the server's root ignore) has the first's scope; both ranks of attempt 1 answered attempt 0's alarm at their first poll (a warning 'rank 0 reports all_reduce #4 stuck', a dump) and never polled again, and attempt 1's report named attempt 0's rank 1 in evaluate (attempt 0's place), not evaluate_again")
     @needs_oneccl
     @pytest.mark.world
     @pytest.mark.timeout(150)
