@@ -96,6 +96,7 @@ forgets them (its communicators are unusable anyway).
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
@@ -115,7 +116,7 @@ from ..core import helper_threads, hooks as _hooks, recorder
 from ..core.communicator import LIVE
 from .hang_answer import answer_now, calls_text, inside, kind, place, ranks_text, report_lines
 
-__all__ = ["ENV", "DEFAULT_S", "budget_s", "after_pass", "gather", "Report", "requests_made", "keys", "poll_period",
+__all__ = ["ENV", "DEFAULT_S", "budget_s", "after_pass", "gather", "gathering", "Report", "requests_made", "keys", "poll_period",
            "round_period", "wait_s"]
 
 log = logging.getLogger("streamcoll.diagnostics.watchdog")  # the watchdog's reports: one logger
@@ -283,7 +284,8 @@ def requests_made() -> int:
 class _State:
     """What the hang report knows of one communicator."""
 
-    __slots__ = ("alarm", "answered", "answer", "threads", "frames", "report", "conn", "next_poll", "__weakref__")
+    __slots__ = ("alarm", "answered", "answer", "threads", "frames", "report", "conn", "next_poll", "queued",
+                 "__weakref__")
 
     def __init__(self) -> None:
         self.alarm: Optional[Dict[str, Any]] = None
@@ -294,6 +296,7 @@ class _State:
         self.report: Optional[Dict[str, Any]] = None
         self.conn: Optional[_Conn] = None  # where the store takes no weak reference
         self.next_poll = 0.0  # monotonic: not polled before (poll_period)
+        self.queued = False  # a background report was queued (gathering)
 
 
 _STATES: "weakref.WeakKeyDictionary[Any, _State]" = weakref.WeakKeyDictionary()
@@ -381,6 +384,7 @@ class _Job:
         self.answers: Dict[int, Dict[str, Any]] = {}
         self.error: Optional[str] = None
         self.done = threading.Event()
+        self.reported = threading.Event()  # background: logged and dumped (the exit waits for it)
 
     def finish(self, error: Optional[str] = None) -> None:
         if error and not self.error:
@@ -396,12 +400,37 @@ def _stop_at_exit() -> None:
     """Stop the thread before the interpreter finalizes: a daemon thread that
     comes back from a store request (a torch C++ call, GIL released) during
     finalization is ended by ``pthread_exit`` inside torch's code, which
-    aborts the process ("terminate called without an active exception")."""
-    _STOP.set()
-    _WAKE.set()
+    aborts the process ("terminate called without an active exception").
+
+    First the reports still gathering are finished (:func:`_finish_reports`):
+    a call past its own ``timeout=`` raised just before the program ended
+    (its error uncaught, a Ctrl-C) promised its report. Registered when this
+    module is imported, so that it runs after the ``atexit`` handlers a
+    program registers later (handlers run newest first): a collective
+    hanging in one of those is still reported with the other ranks' answers."""
+    try:
+        _finish_reports()
+    finally:
+        _STOP.set()
+        _WAKE.set()
+        t = _THREAD
+        if t is not None and t.is_alive() and t is not threading.current_thread():
+            t.join(EXIT_JOIN_S)
+
+
+def _finish_reports() -> None:
+    """Wait for the reports gathering now, each until its deadline and
+    :data:`FINAL_S` at most (2 s and 1 s by default): a background one
+    until it is logged and dumped."""
     t = _THREAD
-    if t is not None and t.is_alive() and t is not threading.current_thread():
-        t.join(EXIT_JOIN_S)
+    if t is None or not t.is_alive() or t is threading.current_thread():
+        return
+    with _LOCK:
+        jobs = list(_JOBS)
+    for j in jobs:
+        left = j.deadline + FINAL_S - time.monotonic()
+        if left > 0:
+            (j.reported if j.background else j.done).wait(left)
 
 
 def _ensure_thread() -> None:
@@ -410,9 +439,6 @@ def _ensure_thread() -> None:
         if _STOP.is_set():
             return  # the interpreter is exiting
         if _THREAD is None or not _THREAD.is_alive():
-            if _THREAD is None:
-                import atexit
-                atexit.register(_stop_at_exit)
             _THREAD = helper_threads.Thread(target=_run, name="streamcoll-hang-report", daemon=True)
             _THREAD.start()
 
@@ -451,7 +477,10 @@ def _round() -> None:
             with _LOCK:
                 if j in _JOBS:
                     _JOBS.remove(j)
-            _report_in_background(j)
+            try:
+                _report_in_background(j)
+            finally:
+                j.reported.set()
     _prune()
 
 
@@ -646,6 +675,11 @@ def gather(comm: Any, op: str, seq: int, wait: bool = True) -> Optional[Report]:
     budget = budget_s()
     if budget <= 0 or comm.size < 2 or comm.store is None or getattr(comm, "_forked", False):
         return None
+    if _STOP.is_set():  # the interpreter is exiting (a program's atexit handler): nobody polls now
+        return None if not wait else Report({"id": None, "rank": comm.rank, "communicator": comm.name,
+                                             "size": comm.size, "op": op, "seq": seq}, {}, comm.size, budget, 0.0,
+                                            "not asked: the interpreter is exiting (the hang report's thread "
+                                            "has stopped)")
     budget = wait_s(budget, comm.size)
     e = comm.flight.at(seq)
     p2p = e.p2p if e is not None else None
@@ -662,6 +696,7 @@ def gather(comm: Any, op: str, seq: int, wait: bool = True) -> Optional[Report]:
     t0 = job.started = time.monotonic()
     with _LOCK:
         _JOBS.append(job)
+    st.queued = st.queued or not wait
     _ensure_thread()
     _WAKE.set()
     if not wait:
@@ -677,6 +712,13 @@ def gather(comm: Any, op: str, seq: int, wait: bool = True) -> Optional[Report]:
     st.alarm = st.alarm or job.alarm
     st.report = rep.as_dict()
     return rep
+
+
+def gathering(comm: Any) -> bool:
+    """Whether :func:`gather` with ``wait=False`` queued a report of ``comm``
+    (gathered in the background, logged once done: the error may say so)."""
+    st = _STATES.get(comm)
+    return st is not None and st.queued
 
 
 def _finished(job: _Job) -> Report:
@@ -741,5 +783,7 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+atexit.register(_stop_at_exit)  # at import: after the handlers a program registers later (_stop_at_exit)
 
 _hooks.on_snapshot.append(_on_snapshot)  # attached to the core at import (streamcoll.core.hooks)

@@ -407,11 +407,6 @@ if __name__ != "__main__":
     @needs_oneccl
     @pytest.mark.world
     @pytest.mark.timeout(90)
-    @pytest.mark.xfail(strict=True, reason=(
-        "the report of a call past its own timeout= is gathered in the background; the program ends right after "
-        "the error (uncaught: exit 1 within 0.1 s of the raise; a Ctrl-C 0.3 s after it), the atexit hook stops "
-        "the hang report's thread and the report the error promised ('follows as a warning in the log and in the "
-        "flight record') is never logged nor dumped (rank 1 answered it)"))
     @pytest.mark.parametrize("how", ["uncaught", "sigint"])
     def test_the_promised_report_is_not_lost_when_the_program_ends(tmp_path, how):
         """The error of a call past its own timeout= says the report
@@ -440,7 +435,6 @@ if __name__ != "__main__":
         finally:
             ranks.kill()
 
-    @pytest.mark.xfail(strict=True, reason="the hang report's thread is stopped by an atexit hook registered when the thread starts (after the first communicator), so it runs before the program's own earlier handlers: a last all_reduce hanging in one was reported after 7.29 s (timeout 4 s + the 2 s wait + 1 s) as 'could not ask: the store connection did not answer within 2 s', the store being fine and rank 1 answering nothing")
     @needs_oneccl
     @pytest.mark.world
     @pytest.mark.timeout(90)
