@@ -224,14 +224,17 @@ class _Conn:
     request skipped: torch logs a C++ stack trace for every request that
     finds the connection closed. The socket is read from the client's
     ``repr`` (``SocketImpl(fd=N, ...)``); where that says nothing, requests
-    go out unchecked."""
+    go out unchecked. A server connection the server closed is made again
+    from a client connected since (:func:`_back`: a restarted server)."""
 
-    __slots__ = ("store", "broken", "fd", "__weakref__")
+    __slots__ = ("store", "broken", "fd", "closed", "tried", "__weakref__")
 
     def __init__(self, store: Any, broken: Optional[str] = None) -> None:
         self.store = store
         self.broken = broken
         self.fd = _socket_of(store) if store is not None else None
+        self.closed = False  # broken because the server closed the connection
+        self.tried: set = set()  # the clients (_client_of) this server's connections were cloned from
 
     def _closed(self) -> bool:
         if self.fd is None:
@@ -246,6 +249,7 @@ class _Conn:
     def call(self, name: str, *args: Any) -> Any:
         global _REQUESTS
         if self.broken is None and self._closed():
+            self.closed = True
             self.broken = "the store closed the connection (its host process ended)"
             log.debug("streamcoll hang report: %s", self.broken)
         if self.broken is not None:
@@ -271,6 +275,36 @@ def _socket_of(store: Any) -> Optional[int]:
         return fd if stat.S_ISSOCK(os.fstat(fd).st_mode) else None
     except Exception:
         return None
+
+
+def _client_of(store: Any) -> Optional[str]:
+    """Which connection a TCPStore client is (its ``repr``'s socket: fd and
+    addresses), or None."""
+    try:
+        m = re.search(r"client=TCPClient\(SocketImpl\(([^)]*)\)", repr(store))
+        return m.group(1) if m else None
+    except Exception:
+        return None
+
+
+def _back(c: _Conn, base: Any) -> bool:
+    """Whether server connection ``c``, which the server closed, is made
+    again from ``base`` (a communicator's own client of that host and port):
+    where ``base`` is another connection, not tried before, whose socket is
+    open: it connected since, to a server restarted there. Never for a server
+    that stopped answering (a clone would wait the store's whole timeout),
+    and once per client: nothing is cloned again round after round."""
+    if not c.closed:
+        return False
+    who = _client_of(base)
+    if who is None or who in c.tried:
+        return False
+    fd = _socket_of(base)
+    if fd is None:
+        return False
+    probe = _Conn(None)
+    probe.fd = fd
+    return not probe._closed()  # (closed: its server is gone too; a poll, no request, each time)
 
 
 _REQUESTS = 0
@@ -335,8 +369,10 @@ def _conn(comm: Any) -> _Conn:
     st = _state(comm)
     if server is not None:
         c = _SERVERS.get(server)
-        if c is None:
+        if c is None or _back(c, store):
+            tried = c.tried if c is not None else set()
             c = _SERVERS[server] = _clone(store)
+            c.tried = tried | {_client_of(store)}
         return c
     try:
         c = _CONNS.get(store)
