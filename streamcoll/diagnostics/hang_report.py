@@ -260,6 +260,7 @@ class _Conn:
         except Exception as e:
             if self.broken is None:
                 self.broken = f"the store did not answer ({type(e).__name__}: {e})"
+                self.closed = _gone(self.store)  # reset or hung up under the request: made again if it restarts
                 log.debug("streamcoll hang report: %s", self.broken)
             raise
 
@@ -299,12 +300,23 @@ def _back(c: _Conn, base: Any) -> bool:
     who = _client_of(base)
     if who is None or who in c.tried:
         return False
-    fd = _socket_of(base)
+    return _socket_of(base) is not None and not _gone(base)  # (gone: its server too; a poll each time)
+
+
+def _gone(store: Any) -> bool:
+    """Whether the server hung up ``store``'s own TCPStore client (a poll for
+    the peer's hang-up only, no request: another thread's reply may be
+    waiting to be read). A clone of a server that is gone waits the store's
+    whole timeout (the init's), then fails, torch logging C++ traces."""
+    fd = _socket_of(store)
     if fd is None:
         return False
-    probe = _Conn(None)
-    probe.fd = fd
-    return not probe._closed()  # (closed: its server is gone too; a poll, no request, each time)
+    try:
+        p = select.poll()
+        p.register(fd, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        return bool(p.poll(0))
+    except Exception:
+        return False
 
 
 _REQUESTS = 0
@@ -392,6 +404,10 @@ def _clone(store: Any) -> _Conn:
     why = _unsafe(store)
     if why is not None:
         return _Conn(None, why)
+    if _gone(store):  # its host ended before the first poll (or a restart's old client)
+        c = _Conn(None, "the store closed the connection (its host process ended)")
+        c.closed = True
+        return c
     try:
         clone = store.clone()
     except Exception as e:

@@ -483,12 +483,6 @@ if __name__ != "__main__":
             ranks.kill()
 
     # ------------------------------------------------------------- a store gone before the first poll
-    @pytest.mark.xfail(strict=True, reason=(
-        "the first poll clones the connection without looking at the communicator's own client: its server gone "
-        "(the race between a communicator's creation and the first poll; test_hang_report's test_a_store_that_is_gone "
-        "failed 2 in ~12 runs so), the clone blocked the hang report's thread for the store's whole timeout (4 s "
-        "here, the init's) and the report said 'could not ask: its store could not be cloned (DistNetworkError: "
-        "The client socket has timed out after 4000ms ...)' after torch's C++ traces in the log"))
     @needs_oneccl
     @pytest.mark.world
     @pytest.mark.timeout(90)
