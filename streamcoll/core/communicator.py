@@ -177,9 +177,10 @@ class Communicator(FastPaths, PostedOps, CollectiveMethods):
         scope: Optional[str] = None,
     ) -> None:
         # ``scope``: a name of this communicator unique on its store's server and equal on every rank
-        # (bootstrap's, from its unique id; a split's child derives its own). Diagnostics key their
-        # store entries by it on one connection per server; None: keys relative to ``store``. Set
-        # before anything can see the communicator (the watchdog's pass polls it for the hang report).
+        # (bootstrap's, from its unique id and a random nonce rank 0 draws at the rendezvous; a split's
+        # child derives its own). Diagnostics key their store entries by it on one connection per
+        # server; None: keys relative to ``store``. Set before anything can see the communicator (the
+        # watchdog's pass polls it for the hang report).
         self.scope = scope
         self._backend = backend
         self._ffi = ffi = backend.ffi

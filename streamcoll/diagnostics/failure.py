@@ -99,7 +99,7 @@ def handle_timeout(comm: Any, op: str, seq: int, timeout: float, shapes: list,
         detail += f"; flight record: {path} (python -m streamcoll.flight analyze {os.path.dirname(path)})"
     if report is not None:
         detail += "\n" + report.text("  ")
-    elif first and own and mode() != "off" and hang_report.budget_s() > 0 and comm.size > 1:
+    elif first and own and hang_report.gathering(comm):  # queued (not: off, one rank, exiting, ...)
         detail += (f"; who and where: the other ranks are being asked (up to {hang_report.budget_s():g} s, "
                    "STREAMCOLL_HANG_REPORT_S), the report follows as a warning in the log and in the flight record")
     exc = CollectiveTimeout(op, seq, timeout, shapes, comm._rank, comm._size, detail)

@@ -9,12 +9,17 @@ where its main thread is (``file:line in function``) and the streamcoll calls
 it is inside, on this or another communicator; a rank that does not answer
 in time is named as such.
 
-**Keys.** Under the communicator's store (``comm.store``: the PrefixStore
-``streamcoll/<name>/<size>/<n>/`` the rendezvous numbers through the store,
-so a second communicator of the same name on the same store, or a second run
-on a store kept alive, has keys of its own; a split's children share their
-parent's namespace and are told apart by name and size, as the checks'
-keys are), with ``K = hang/<communicator name>/<size>``:
+**Keys.** For a communicator streamcoll made over a TCPStore, at the
+server's root under ``streamcoll/hang/<scope>/`` (:attr:`scope`: a digest of
+the unique id and of a random nonce rank 0 drew at the rendezvous, so a
+second communicator of the same name on the same store, or a second run on
+a store kept alive, under whatever PrefixStore, has keys of its own; a
+split's child derives its scope from its parent's); else under the
+communicator's store (``comm.store``: the PrefixStore
+``streamcoll/<name>/<size>/<n>/`` the rendezvous numbers through the store;
+a split's children share their parent's namespace and are told apart by
+name and size, as the checks' keys are); with ``K = hang/<communicator
+name>/<size>``:
 
 - ``K/alarm``: set once (``compare_set``) by the first rank whose call timed
   out: JSON with its rank, the op, sequence and collective numbers, and a
@@ -45,7 +50,10 @@ with one ``check``: at most one request per communicator per watchdog pass
 answered. The requests go over a connection of its own, a ``clone()`` made
 by that thread: one per store server for the communicators streamcoll made
 over a TCPStore (their keys under the communicator's :attr:`scope`, a digest
-of its unique id, at the server's root), else one per store object; with a
+of its unique id and of a random nonce rank 0 drew at its rendezvous: the id
+alone names no run, oneCCL's being ``IP_port``; at the server's root, so
+equal for a second attempt on a kept store but for that nonce), else one per
+store object; with a
 request timeout of
 :data:`REQUEST_TIMEOUT_S`; never over the main thread's, which may be
 blocked in a store wait or a gloo call. Why a thread of its own and not the
@@ -88,6 +96,7 @@ forgets them (its communicators are unusable anyway).
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
@@ -107,7 +116,7 @@ from ..core import helper_threads, hooks as _hooks, recorder
 from ..core.communicator import LIVE
 from .hang_answer import answer_now, calls_text, inside, kind, place, ranks_text, report_lines
 
-__all__ = ["ENV", "DEFAULT_S", "budget_s", "after_pass", "gather", "Report", "requests_made", "keys", "poll_period",
+__all__ = ["ENV", "DEFAULT_S", "budget_s", "after_pass", "gather", "gathering", "Report", "requests_made", "keys", "poll_period",
            "round_period", "wait_s"]
 
 log = logging.getLogger("streamcoll.diagnostics.watchdog")  # the watchdog's reports: one logger
@@ -215,14 +224,17 @@ class _Conn:
     request skipped: torch logs a C++ stack trace for every request that
     finds the connection closed. The socket is read from the client's
     ``repr`` (``SocketImpl(fd=N, ...)``); where that says nothing, requests
-    go out unchecked."""
+    go out unchecked. A server connection the server closed is made again
+    from a client connected since (:func:`_back`: a restarted server)."""
 
-    __slots__ = ("store", "broken", "fd", "__weakref__")
+    __slots__ = ("store", "broken", "fd", "closed", "tried", "__weakref__")
 
     def __init__(self, store: Any, broken: Optional[str] = None) -> None:
         self.store = store
         self.broken = broken
         self.fd = _socket_of(store) if store is not None else None
+        self.closed = False  # broken because the server closed the connection
+        self.tried: set = set()  # the clients (_client_of) this server's connections were cloned from
 
     def _closed(self) -> bool:
         if self.fd is None:
@@ -237,6 +249,7 @@ class _Conn:
     def call(self, name: str, *args: Any) -> Any:
         global _REQUESTS
         if self.broken is None and self._closed():
+            self.closed = True
             self.broken = "the store closed the connection (its host process ended)"
             log.debug("streamcoll hang report: %s", self.broken)
         if self.broken is not None:
@@ -248,6 +261,7 @@ class _Conn:
         except Exception as e:
             if self.broken is None:
                 self.broken = f"the store did not answer ({type(e).__name__}: {e})"
+                self.closed = _gone(self.store)  # reset or hung up under the request: made again if it restarts
                 log.debug("streamcoll hang report: %s", self.broken)
             raise
         finally:
@@ -267,6 +281,47 @@ def _socket_of(store: Any) -> Optional[int]:
         return None
 
 
+def _client_of(store: Any) -> Optional[str]:
+    """Which connection a TCPStore client is (its ``repr``'s socket: fd and
+    addresses), or None."""
+    try:
+        m = re.search(r"client=TCPClient\(SocketImpl\(([^)]*)\)", repr(store))
+        return m.group(1) if m else None
+    except Exception:
+        return None
+
+
+def _back(c: _Conn, base: Any) -> bool:
+    """Whether server connection ``c``, which the server closed, is made
+    again from ``base`` (a communicator's own client of that host and port):
+    where ``base`` is another connection, not tried before, whose socket is
+    open: it connected since, to a server restarted there. Never for a server
+    that stopped answering (a clone would wait the store's whole timeout),
+    and once per client: nothing is cloned again round after round."""
+    if not c.closed:
+        return False
+    who = _client_of(base)
+    if who is None or who in c.tried:
+        return False
+    return _socket_of(base) is not None and not _gone(base)  # (gone: its server too; a poll each time)
+
+
+def _gone(store: Any) -> bool:
+    """Whether the server hung up ``store``'s own TCPStore client (a poll for
+    the peer's hang-up only, no request: another thread's reply may be
+    waiting to be read). A clone of a server that is gone waits the store's
+    whole timeout (the init's), then fails, torch logging C++ traces."""
+    fd = _socket_of(store)
+    if fd is None:
+        return False
+    try:
+        p = select.poll()
+        p.register(fd, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        return bool(p.poll(0))
+    except Exception:
+        return False
+
+
 _REQUESTS = 0
 
 
@@ -278,7 +333,8 @@ def requests_made() -> int:
 class _State:
     """What the hang report knows of one communicator."""
 
-    __slots__ = ("alarm", "answered", "answer", "threads", "frames", "report", "conn", "next_poll", "__weakref__")
+    __slots__ = ("alarm", "answered", "answer", "threads", "frames", "report", "conn", "next_poll", "queued",
+                 "__weakref__")
 
     def __init__(self) -> None:
         self.alarm: Optional[Dict[str, Any]] = None
@@ -289,6 +345,7 @@ class _State:
         self.report: Optional[Dict[str, Any]] = None
         self.conn: Optional[_Conn] = None  # where the store takes no weak reference
         self.next_poll = 0.0  # monotonic: not polled before (poll_period)
+        self.queued = False  # a background report was queued (gathering)
 
 
 _STATES: "weakref.WeakKeyDictionary[Any, _State]" = weakref.WeakKeyDictionary()
@@ -327,8 +384,10 @@ def _conn(comm: Any) -> _Conn:
     st = _state(comm)
     if server is not None:
         c = _SERVERS.get(server)
-        if c is None:
-            c = _SERVERS[server] = _clone(store, server)
+        if c is None or _back(c, store):
+            tried = c.tried if c is not None else set()
+            c = _SERVERS[server] = _clone(store)
+            c.tried = tried | {_client_of(store)}
         return c
     try:
         c = _CONNS.get(store)
@@ -343,20 +402,17 @@ def _conn(comm: Any) -> _Conn:
     return c
 
 
-def _clone(store: Any, server: Optional[Tuple[str, str, int]] = None) -> _Conn:
-    """A connection of the hang report's own to ``store``'s server (``server``:
-    its address, asked first with a plain connect: a clone of a TCPStore
-    whose server is gone retries for the store's whole timeout and logs C++
-    traces, a refused connect says it at once)."""
+def _clone(store: Any) -> _Conn:
+    """A connection of the hang report's own to ``store``'s server (not where
+    the store's own client already sees its server gone: a clone of a gone
+    TCPStore server retries for the store's whole timeout and logs C++ traces)."""
     why = _unsafe(store)
     if why is not None:
         return _Conn(None, why)
-    if server is not None:
-        try:
-            socket.create_connection((server[1], server[2]), timeout=REQUEST_TIMEOUT_S).close()
-        except OSError as e:
-            return _Conn(None, f"the store closed the connection (its host process ended): nothing answers at "
-                               f"{server[1]}:{server[2]} ({e})")
+    if _gone(store):  # its host ended before the first poll (or a restart's old client)
+        c = _Conn(None, "the store closed the connection (its host process ended)")
+        c.closed = True
+        return c
     _BUSY.set()
     try:
         clone = store.clone()
@@ -379,7 +435,6 @@ class _Job:
         self.comm = comm
         self.background = background  # nobody waits: the thread logs the report and dumps again
         self.started = time.monotonic()
-        self.reported = threading.Event()  # a background report: logged
         self.alarm = alarm
         self.answer = answer
         self.budget = budget
@@ -389,6 +444,7 @@ class _Job:
         self.answers: Dict[int, Dict[str, Any]] = {}
         self.error: Optional[str] = None
         self.done = threading.Event()
+        self.reported = threading.Event()  # background: logged and dumped (the exit waits for it)
 
     def finish(self, error: Optional[str] = None) -> None:
         if error and not self.error:
@@ -406,24 +462,41 @@ def _stop_at_exit() -> None:
     """Stop the thread before the interpreter finalizes: a daemon thread that
     comes back from a store request (a torch C++ call, GIL released) during
     finalization is ended by ``pthread_exit`` inside torch's code, which
-    aborts the process ("terminate called without an active exception")."""
+    aborts the process ("terminate called without an active exception").
+
+    First the reports still gathering are finished (:func:`_finish_reports`):
+    a call past its own ``timeout=`` raised just before the program ended
+    (its error uncaught, a Ctrl-C) promised its report. Registered when this
+    module is imported, so that it runs after the ``atexit`` handlers a
+    program registers later (handlers run newest first): a collective
+    hanging in one of those is still reported with the other ranks' answers."""
+    try:
+        _finish_reports()
+    finally:
+        _STOP.set()
+        _WAKE.set()
+        t = _THREAD
+        if t is not None and t.is_alive() and t is not threading.current_thread():
+            # Finalization ends a daemon thread that comes back from torch's C++ with pthread_exit,
+            # which aborts the process: wait out a request (or a clone) the thread is inside.
+            t.join(EXIT_JOIN_S)
+            if t.is_alive() and _BUSY.is_set():
+                t.join(BUSY_JOIN_S)
+
+
+def _finish_reports() -> None:
+    """Wait for the reports gathering now, each until its deadline and
+    :data:`FINAL_S` at most (2 s and 1 s by default): a background one
+    until it is logged and dumped."""
     t = _THREAD
-    alive = t is not None and t.is_alive() and t is not threading.current_thread()
-    if alive:
-        # A report gathered in the background (a call past its own timeout=) is logged before
-        # the exit: its error said it would follow. Bounded by its wait for the answers.
-        with _LOCK:
-            pending = [j for j in _JOBS if j.background]
-        for j in pending:
-            j.reported.wait(max(0.0, j.deadline - time.monotonic()) + FINAL_S)
-    _STOP.set()
-    _WAKE.set()
-    if alive and t is not None:
-        # Finalization ends a daemon thread that comes back from torch's C++ with pthread_exit,
-        # which aborts the process: wait out a request (or a clone) the thread is inside.
-        t.join(EXIT_JOIN_S)
-        if t.is_alive() and _BUSY.is_set():
-            t.join(BUSY_JOIN_S)
+    if t is None or not t.is_alive() or t is threading.current_thread():
+        return
+    with _LOCK:
+        jobs = list(_JOBS)
+    for j in jobs:
+        left = j.deadline + FINAL_S - time.monotonic()
+        if left > 0:
+            (j.reported if j.background else j.done).wait(left)
 
 
 def _ensure_thread() -> None:
@@ -432,9 +505,6 @@ def _ensure_thread() -> None:
         if _STOP.is_set():
             return  # the interpreter is exiting
         if _THREAD is None or not _THREAD.is_alive():
-            if _THREAD is None:
-                import atexit
-                atexit.register(_stop_at_exit)
             _THREAD = helper_threads.Thread(target=_run, name="streamcoll-hang-report", daemon=True)
             _THREAD.start()
 
@@ -671,6 +741,11 @@ def gather(comm: Any, op: str, seq: int, wait: bool = True) -> Optional[Report]:
     budget = budget_s()
     if budget <= 0 or comm.size < 2 or comm.store is None or getattr(comm, "_forked", False):
         return None
+    if _STOP.is_set():  # the interpreter is exiting (a program's atexit handler): nobody polls now
+        return None if not wait else Report({"id": None, "rank": comm.rank, "communicator": comm.name,
+                                             "size": comm.size, "op": op, "seq": seq}, {}, comm.size, budget, 0.0,
+                                            "not asked: the interpreter is exiting (the hang report's thread "
+                                            "has stopped)")
     budget = wait_s(budget, comm.size)
     e = comm.flight.at(seq)
     p2p = e.p2p if e is not None else None
@@ -687,6 +762,7 @@ def gather(comm: Any, op: str, seq: int, wait: bool = True) -> Optional[Report]:
     t0 = job.started = time.monotonic()
     with _LOCK:
         _JOBS.append(job)
+    st.queued = st.queued or not wait
     _ensure_thread()
     _WAKE.set()
     if not wait:
@@ -702,6 +778,13 @@ def gather(comm: Any, op: str, seq: int, wait: bool = True) -> Optional[Report]:
     st.alarm = st.alarm or job.alarm
     st.report = rep.as_dict()
     return rep
+
+
+def gathering(comm: Any) -> bool:
+    """Whether :func:`gather` with ``wait=False`` queued a report of ``comm``
+    (gathered in the background, logged once done: the error may say so)."""
+    st = _STATES.get(comm)
+    return st is not None and st.queued
 
 
 def _finished(job: _Job) -> Report:
@@ -766,5 +849,7 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+atexit.register(_stop_at_exit)  # at import: after the handlers a program registers later (_stop_at_exit)
 
 _hooks.on_snapshot.append(_on_snapshot)  # attached to the core at import (streamcoll.core.hooks)

@@ -280,8 +280,10 @@ def new_communicator(
         with watchdog.guard(what, t, lambda: _init_report(pstore, topo, advertised)):
             with _native_entry(b.name, settings):
                 handle = b.init_rank(world_size, bytes(uid), rank, what=what)  # named while it waits its turn
-    # its unique id is random (rank 0's, shared by the rendezvous): equal on every rank, unique in the job
-    scope = hashlib.sha256(f"{cname}/{world_size}/".encode() + bytes(uid)).hexdigest()[:24]
+    # equal on every rank, unique on the store's server: the unique id names no run (oneCCL's is
+    # "IP_port", the first free port from 4096: two runs one after the other on a kept store drew the
+    # same), rank 0's random nonce does (shared by the rendezvous)
+    scope = hashlib.sha256(f"{cname}/{world_size}/{m.nonce}/".encode() + bytes(uid)).hexdigest()[:24]
     if b.name == "oneccl":
         env.note_first(scope)  # oneCCL made its transport for this communicator's members (if the first)
     pstore.set(f"ready/{rank}", "1")

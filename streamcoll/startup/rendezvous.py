@@ -251,12 +251,16 @@ def _ranks_text(ranks: Optional[list]) -> str:
 class Meeting:
     """What :func:`rendezvous` gives each rank: its view of the topology,
     the library's unique id (made by rank 0), the communicator's own
-    namespace in the store (a PrefixStore) and the name messages use."""
+    namespace in the store (a PrefixStore), the name messages use and
+    ``nonce``: random hex drawn by rank 0, equal on every rank (oneCCL's
+    unique id is ``IP_port``, the first free port from 4096: equal for two
+    runs one after the other, so it names no run)."""
 
     topology: topology.Topology
     uid: bytes
     store: Any
     name: str
+    nonce: str = ""
 
 
 def _round_key(k: int) -> str:
@@ -546,7 +550,7 @@ def rendezvous(store: Any, rank: int, world_size: int, *, timeout: Union[float, 
     _claim(pstore, rank, world_size, me, cname, prefix)
     if rank != 0:
         body = _follow(pstore, rank, world_size, t, cname)
-        return Meeting(topology.Topology(body["layout"], rank, me), body["uid"], pstore, cname)
+        return Meeting(topology.Topology(body["layout"], rank, me), body["uid"], pstore, cname, body.get("nonce", ""))
     rounds = _Rounds()
     def clone() -> Any:
         # Cloned below the prefix: a PrefixStore's clone over a store written in Python (a
@@ -580,9 +584,11 @@ def rendezvous(store: Any, rank: int, world_size: int, *, timeout: Union[float, 
                 if rounds.publish(pstore, {"error": _published_error(e), "ack": 1}, final=True):
                     _hold_for_readers(pstore, world_size, t)
         raise
+    nonce = os.urandom(12).hex()
     if world_size > 1:
-        rounds.publish(pstore, {"topology": topology.to_plain(topo.layout), "uid": uid.hex()}, final=True)
-    return Meeting(topo, uid, pstore, cname)
+        rounds.publish(pstore, {"topology": topology.to_plain(topo.layout), "uid": uid.hex(), "nonce": nonce},
+                       final=True)
+    return Meeting(topo, uid, pstore, cname, nonce)
 
 
 def _read_key(rank: int) -> str:

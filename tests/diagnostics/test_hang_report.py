@@ -242,16 +242,33 @@ def _dead_and_late() -> None:
 
 
 def _store_gone() -> None:
-    """Rank 0, which hosts the store, dies; rank 1's call then times out."""
+    """Rank 0, which hosts the store, dies once rank 1's hang report has its
+    connection and while rank 1 does not poll (reports off meanwhile, the
+    setting being read at each use): a server dying under a clone or a
+    request is another case (the clone waits the store's timeout; the
+    request fails, "Connection reset by peer", torch logging its trace);
+    rank 1's call then times out."""
     import torch
     import streamcoll
+    from streamcoll.diagnostics import hang_report as hr
     rank = int(os.environ["RANK"])
     _all_started()
     comm = streamcoll.init(backend="oneccl", device="cpu", timeout=TIMEOUT)
     t = torch.ones(4)
     _three(comm, t)
+    flag = os.path.join(os.environ["HANG_OUT"], "connected.1")
+    end = time.monotonic() + 30
     if rank == 0:
+        while not os.path.exists(flag) and time.monotonic() < end:
+            time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGKILL)
+    while not hr._SERVERS and time.monotonic() < end:
+        time.sleep(0.01)
+    os.environ["STREAMCOLL_HANG_REPORT_S"] = "0"
+    time.sleep(0.6)  # a round in flight is over
+    open(flag, "w").close()
+    time.sleep(1.0)  # rank 0 is gone
+    os.environ.pop("STREAMCOLL_HANG_REPORT_S", None)
     time.sleep(1.0)
     _out("rank1.json", {"call": time.time()})
     comm.all_reduce(t)
@@ -282,7 +299,7 @@ if __name__ != "__main__":
 
     from streamcoll.diagnostics import flight, hang_answer, hang_report
 
-    from conftest import needs_oneccl
+    from conftest import ROOT, needs_oneccl
 
     ME = os.path.abspath(__file__)
 
@@ -295,6 +312,9 @@ if __name__ != "__main__":
             os.makedirs(self.flight_dir)
             self.start_ranks([sys.executable, ME, scenario], size,
                              dict({"HANG_OUT": self.dir, "STREAMCOLL_FLIGHT_DIR": self.flight_dir,
+                                   # this checkout's streamcoll, not an installed one (a script's
+                                   # sys.path has its own folder, not the repository's root)
+                                   "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                                    "TORCH_FR_DUMP_TEMP_FILE": os.path.join(self.dir, "fr", "trace_")},
                                   **(env or {})))
             os.makedirs(os.path.join(self.dir, "fr"))
