@@ -202,3 +202,56 @@ def test_a_programs_own_exit_handler_may_still_use_mpi_under_mpiexec(tmp_path):
         assert out.count("GOODBYE BARRIER") == 2 and "after finalizing" not in out, out[-3000:]
     finally:
         ps.kill()
+
+
+# ------------------------------------------------------------- the first-communicator rule
+_DISAGREE = r"""
+import json, os, sys, time
+import torch
+import streamcoll
+rank = int(os.environ["RANK"])
+w = streamcoll.init(backend="oneccl", device="cpu", timeout=30)
+t = torch.ones(2)
+w.all_reduce(t)
+res = {"world": t.tolist()}
+if rank == 1:
+    streamcoll.destroy()  # rank 1 destroyed all its oneCCL communicators, rank 0 keeps the world's
+t0 = time.monotonic()
+if rank in (0, 1):
+    try:
+        c = streamcoll.new_communicator(backend="oneccl", device="cpu", store=sys.argv[1], rank=rank, world_size=2,
+                                        name="pair", timeout=8)
+        u = torch.ones(2)
+        c.all_reduce(u)
+        res["pair"] = u.tolist()
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {e}"[:400]
+res["took"] = round(time.monotonic() - t0, 2)
+print("RESULT " + json.dumps(res), flush=True)
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="only rank 1 refuses (its own live_count check, after the rendezvous): measured, rank 0 enters oneCCL's init alone and the watchdog ends it after the 8 s timeout (exit 86, 'rank(s) 1 never reached the native init')")
+def test_a_rank_that_destroyed_its_communicators_is_refused_on_every_member(tmp_path):
+    """3 ranks (torchrun's variables), the world's communicator first;
+    rank 1 destroys it, rank 0 does not; ranks 0 and 1 then make a pair
+    (a sub-world communicator, shared memory in effect). streamcoll refuses
+    it on rank 1 (oneCCL remakes rank 1's transport from the pair): every
+    member must refuse at once, not rank 0 enter the native init alone."""
+    prog = tmp_path / "disagree.py"
+    prog.write_text(_DISAGREE)
+    master, port = free_port(), free_port()
+    ps = Processes(str(tmp_path))
+    try:
+        for r in range(3):
+            e = _env(dict(RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="3",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master)))
+            ps.start([sys.executable, str(prog), f"127.0.0.1:{port}"], e, f"rank{r}.out")
+        ps.wait_all(90)
+        res = [_results(ps, f"rank{r}.out") for r in range(2)]
+        logs = "\n".join(ps.text(f"rank{r}.out")[-1500:] for r in range(2))
+        for r in (0, 1):
+            assert res[r] and "CommunicatorError" in res[r][0].get("error", ""), (r, res, logs)
+            assert res[r][0]["took"] < 4, (r, res)
+    finally:
+        ps.kill()
