@@ -210,6 +210,19 @@ def first_communicator() -> Optional[str]:
     return _FIRST[0] if _FIRST else None
 
 
+def remade() -> bool:
+    """Whether oneCCL remakes its transport at this process's next init,
+    with shared memory in effect: it ran before and every oneCCL
+    communicator of the process is destroyed (it tears its transport down
+    with the last). A fact each rank reports, so that a communicator short
+    of the launcher's world with such a member is refused on every member
+    (:func:`agree`), not by that member alone."""
+    if _IN_EFFECT.get("CCL_ATL_SHM") != "1":
+        return False
+    from ..core.communicator import live_count
+    return live_count("oneccl") == 0
+
+
 def in_effect() -> Dict[str, Optional[str]]:
     """oneCCL's must-agree values at its first init in this process (empty
     before it): oneCCL does not read them again."""
@@ -390,6 +403,13 @@ def agree(topo: "TopologyLike", facts: Sequence["RankFactsLike"]) -> Agreed:
             conflicts[name] = f"{name}: " + "; ".join(f"{_ranks(rs)}: {v!r} ({src})" for (v, src), rs
                                                       in sorted(by.items(), key=lambda kv: kv[1][0]))
     problem = _outside_first(facts)
+    again = [f.rank for f in facts if getattr(f, "remade", False)]
+    if again and not topo.spans_job:
+        problem = (problem + "; " if problem else "") + (
+            f"{_ranks(again)} destroyed all their oneCCL communicators, so oneCCL makes its transport again from "
+            f"this one, with shared memory (CCL_ATL_SHM=1, in effect since their process's first init), sized for "
+            f"its {topo.world_size} ranks: a later communicator with any other rank would never finish its "
+            f"creation. Keep a communicator over the whole world alive, or start the process afresh")
     if problem:
         conflicts["CCL_ATL_SHM"] = (conflicts["CCL_ATL_SHM"] + "; " if "CCL_ATL_SHM" in conflicts else "") + problem
     return Agreed(values, conflicts, mine)
