@@ -287,7 +287,7 @@ def new_communicator(
     # its unique id is random (rank 0's, shared by the rendezvous): equal on every rank, unique in the job
     scope = hashlib.sha256(f"{cname}/{world_size}/".encode() + bytes(uid)).hexdigest()[:24]
     if b.name == "oneccl":
-        env.note_first(scope)  # oneCCL made its transport for this communicator's members (if the first)
+        env.note_first(scope, not topo.single_host)  # oneCCL made its transport for its members (if the first)
     pstore.set(f"ready/{rank}", "1")
     comm = adopt(b, handle, lambda: Communicator(b, device, handle, rank, world_size, t, record_stream, pstore,
                                                  name=cname, own=made["own"], scope=scope))  # freed if it raises

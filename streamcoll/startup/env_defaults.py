@@ -195,14 +195,22 @@ def _user_env() -> Dict[str, str]:
 
 
 _FIRST: List[str] = []  # the scope of this process's first oneCCL communicator (note_first)
+_FIRST_ACROSS: List[bool] = []  # whether that communicator spanned several hosts
 
 
-def note_first(scope: Optional[str]) -> None:
+def note_first(scope: Optional[str], across_hosts: bool = False) -> None:
     """Record the process's first oneCCL communicator (its scope, equal on
-    its members): oneCCL made its transport for that communicator's members."""
+    its members, and whether its members were on several hosts): oneCCL
+    made its transport for that communicator's members."""
     with _LOCK:
         if not _FIRST and scope:
             _FIRST.append(scope)
+            _FIRST_ACROSS.append(bool(across_hosts))
+
+
+def first_across_hosts() -> bool:
+    """Whether this process's first oneCCL communicator spanned several hosts."""
+    return bool(_FIRST_ACROSS and _FIRST_ACROSS[0])
 
 
 def first_communicator() -> Optional[str]:
@@ -418,7 +426,12 @@ def agree(topo: "TopologyLike", facts: Sequence["RankFactsLike"]) -> Agreed:
 def _over_tcp(f: "RankFactsLike") -> bool:
     """Whether rank ``f``'s oneCCL runs without shared memory since its first init."""
     got = {k: v for (k, v, src) in f.bound if src == IN_EFFECT}
-    return got.get("CCL_ATL_SHM") == "0" and got.get("FI_PROVIDER") not in (None, "", "shm")
+    if got.get("CCL_ATL_SHM") == "0" and got.get("FI_PROVIDER") not in (None, "", "shm"):
+        return True
+    # Across hosts libfabric's provider, unset, is a network one: oneCCL without its own shared memory
+    # (CCL_ATL_SHM unset or 0, streamcoll's default for a first communicator across hosts) reaches any peer.
+    return (bool(getattr(f, "first_across", False)) and got.get("CCL_ATL_SHM") in (None, "", "0")
+            and got.get("FI_PROVIDER") in (None, ""))
 
 
 def _outside_first(facts: Sequence["RankFactsLike"]) -> Optional[str]:

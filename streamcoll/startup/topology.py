@@ -90,6 +90,7 @@ class RankFacts:
     job: str = ""                                           # its launched job (job_token()); "" unknown
     first: Optional[str] = None                             # the scope of its first oneCCL communicator
     remade: bool = False                                    # oneCCL remakes its transport at its next init
+    first_across: bool = False                              # its first oneCCL communicator spanned hosts
 
     def to_json(self) -> str:
         """Compact JSON (the CPU list as ranges, ``"0..63"``), see :func:`to_plain`."""
@@ -172,7 +173,7 @@ def local_facts(rank: int, store: Any = None) -> RankFacts:
     route = route_to(addr) if addr else None
     return RankFacts(rank, ident, machine, network, socket.gethostname(), os.getpid(), _node(rank), _cpus(), route,
                      env.bound(), env.enabled(), _job_size(), env.own(), job_token(), env.first_communicator(),
-                     env.remade())
+                     env.remade(), env.first_across_hosts())
 
 
 def job_token() -> str:

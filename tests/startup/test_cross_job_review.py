@@ -282,7 +282,6 @@ dist.barrier(group=dist.new_group(backend="gloo"))
 """
 
 
-@pytest.mark.xfail(strict=True, reason="_over_tcp takes CCL_ATL_SHM=0 with FI_PROVIDER unset (streamcoll's own default for a first communicator across hosts) for shared memory: measured, every rank raises CommunicatorError for 'pg3-cpu'/'pg4-cpu' ('ranks 0, 1 run oneCCL with shared memory since their process's first oneCCL communicator')")
 def test_a_mesh_over_two_hosts_with_lazy_init_forms_its_second_dimension(tmp_path):
     """4 ranks on 2 (simulated: GROUP_RANK) hosts, ``STREAMCOLL_EAGER_INIT=0``:
     the first communicators are the dimension [0,2]/[1,3], which streamcoll
@@ -337,7 +336,6 @@ print("RESULT " + json.dumps(res), flush=True)
 """
 
 
-@pytest.mark.xfail(strict=True, reason="a first communicator across hosts with CCL_ATL_SHM and FI_PROVIDER unset counts as shared memory: measured, all three raise CommunicatorError 'ranks 0, 1 run oneCCL with shared memory since their process's first oneCCL communicator, which rank 2 of this one did not belong to'")
 def test_a_trainer_over_two_hosts_and_a_server_beside_it_meet_with_the_defaults(tmp_path):
     """The trainer's world: 2 ranks on 2 (simulated: GROUP_RANK) hosts, one
     each, so oneCCL runs without shared memory (CCL_ATL_SHM, FI_PROVIDER
