@@ -6,8 +6,6 @@ with a timeout, killed (by session) at the end.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sys
 import time
 from typing import Dict, List, Optional
