@@ -203,13 +203,30 @@ def defer_mpi_finalize() -> None:
 
 def finalize_mpi_unless_stuck() -> None:
     """At exit: ``MPI_Finalize``, as mpi4py would, unless a native call can
-    never return (:func:`defer_mpi_finalize`)."""
+    never return (:func:`defer_mpi_finalize`). Where mpi4py would: after
+    every ``atexit`` handler (a C ``Py_AtExit`` function, libmpi's
+    ``MPI_Finalize`` itself), so that a handler the program registered
+    before streamcoll's may still use MPI (one that did aborted under
+    MPICH, "after finalizing MPICH", exit 1); here at once only where that
+    cannot be registered."""
     MPI = sys.modules.get("mpi4py.MPI")
     if _SKIP_REGISTERED or MPI is None:
         return
     try:
-        if MPI.Is_initialized() and not MPI.Is_finalized():
-            MPI.Finalize()
+        if not MPI.Is_initialized() or MPI.Is_finalized():
+            return
+        try:
+            import ctypes
+            fin = ctypes.CDLL(MPI.__file__).MPI_Finalize  # libmpi's, through the module's dependencies
+            at_exit = ctypes.pythonapi.Py_AtExit
+            at_exit.argtypes = [ctypes.c_void_p]
+            at_exit.restype = ctypes.c_int
+            if at_exit(ctypes.cast(fin, ctypes.c_void_p).value) == 0:
+                _KEEP.append(fin)
+                return
+        except (OSError, AttributeError, ValueError) as e:
+            log.debug("streamcoll: MPI_Finalize after the exit handlers not registered (%r): now", e)
+        MPI.Finalize()
     except Exception as e:  # noqa: BLE001  (mpi4py's own exit hook reported nothing either)
         log.debug("streamcoll: MPI_Finalize at exit raised %r", e)
 

@@ -180,8 +180,12 @@ def new_communicator(
     no other rank's facts (the others take rank 0's).
     """
     t = _seconds(timeout)
-    if isinstance(store, str):
+    across = isinstance(store, str)  # processes of different jobs: no launcher's scope in the namespace
+    if across:
         parse_address(store)  # a bad address is a ValueError naming store, before anything else
+    elif store is not None and not isinstance(store, getattr(torch.distributed, "Store", object)):
+        raise ValueError(f"store: expected a torch.distributed Store or an address 'host:port', got "
+                         f"{type(store).__name__} {store!r}"[:300])
     if store is None or rank is None or world_size is None:  # srun, mpiexec: torchrun's variables from theirs
         launchers.adopt(rendezvous=store is None)
     if rank is None:
@@ -258,7 +262,7 @@ def new_communicator(
     # The store part (see rendezvous): the first point where all ranks meet;
     # it waits with progress lines and names the missing ranks at the timeout.
     m = _rendezvous(store, rank, world_size, timeout=t, make_uid=make_uid, name=name,
-                    known=known_topology)
+                    known=known_topology, scoped=not across)
     topo, uid, pstore, cname = m.topology, m.uid, m.store, m.name
     if b.name == "oneccl" and launchers.mpi_transport_requested():
         _agree_mpi_transport(pstore, rank, world_size, cname)
@@ -285,7 +289,7 @@ def new_communicator(
     # same), rank 0's random nonce does (shared by the rendezvous)
     scope = hashlib.sha256(f"{cname}/{world_size}/{m.nonce}/".encode() + bytes(uid)).hexdigest()[:24]
     if b.name == "oneccl":
-        env.note_first(scope)  # oneCCL made its transport for this communicator's members (if the first)
+        env.note_first(scope, not topo.single_host)  # oneCCL made its transport for its members (if the first)
     pstore.set(f"ready/{rank}", "1")
     comm = adopt(b, handle, lambda: Communicator(b, device, handle, rank, world_size, t, record_stream, pstore,
                                                  name=cname, own=made["own"], scope=scope))  # freed if it raises

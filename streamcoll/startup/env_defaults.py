@@ -195,19 +195,40 @@ def _user_env() -> Dict[str, str]:
 
 
 _FIRST: List[str] = []  # the scope of this process's first oneCCL communicator (note_first)
+_FIRST_ACROSS: List[bool] = []  # whether that communicator spanned several hosts
 
 
-def note_first(scope: Optional[str]) -> None:
+def note_first(scope: Optional[str], across_hosts: bool = False) -> None:
     """Record the process's first oneCCL communicator (its scope, equal on
-    its members): oneCCL made its transport for that communicator's members."""
+    its members, and whether its members were on several hosts): oneCCL
+    made its transport for that communicator's members."""
     with _LOCK:
         if not _FIRST and scope:
             _FIRST.append(scope)
+            _FIRST_ACROSS.append(bool(across_hosts))
+
+
+def first_across_hosts() -> bool:
+    """Whether this process's first oneCCL communicator spanned several hosts."""
+    return bool(_FIRST_ACROSS and _FIRST_ACROSS[0])
 
 
 def first_communicator() -> Optional[str]:
     """The scope of this process's first oneCCL communicator (None: none yet)."""
     return _FIRST[0] if _FIRST else None
+
+
+def remade() -> bool:
+    """Whether oneCCL remakes its transport at this process's next init,
+    with shared memory in effect: it ran before and every oneCCL
+    communicator of the process is destroyed (it tears its transport down
+    with the last). A fact each rank reports, so that a communicator short
+    of the launcher's world with such a member is refused on every member
+    (:func:`agree`), not by that member alone."""
+    if _IN_EFFECT.get("CCL_ATL_SHM") != "1":
+        return False
+    from ..core.communicator import live_count
+    return live_count("oneccl") == 0
 
 
 def in_effect() -> Dict[str, Optional[str]]:
@@ -390,6 +411,13 @@ def agree(topo: "TopologyLike", facts: Sequence["RankFactsLike"]) -> Agreed:
             conflicts[name] = f"{name}: " + "; ".join(f"{_ranks(rs)}: {v!r} ({src})" for (v, src), rs
                                                       in sorted(by.items(), key=lambda kv: kv[1][0]))
     problem = _outside_first(facts)
+    again = [f.rank for f in facts if getattr(f, "remade", False)]
+    if again and not topo.spans_job:
+        problem = (problem + "; " if problem else "") + (
+            f"{_ranks(again)} destroyed all their oneCCL communicators, so oneCCL makes its transport again from "
+            f"this one, with shared memory (CCL_ATL_SHM=1, in effect since their process's first init), sized for "
+            f"its {topo.world_size} ranks: a later communicator with any other rank would never finish its "
+            f"creation. Keep a communicator over the whole world alive, or start the process afresh")
     if problem:
         conflicts["CCL_ATL_SHM"] = (conflicts["CCL_ATL_SHM"] + "; " if "CCL_ATL_SHM" in conflicts else "") + problem
     return Agreed(values, conflicts, mine)
@@ -398,7 +426,12 @@ def agree(topo: "TopologyLike", facts: Sequence["RankFactsLike"]) -> Agreed:
 def _over_tcp(f: "RankFactsLike") -> bool:
     """Whether rank ``f``'s oneCCL runs without shared memory since its first init."""
     got = {k: v for (k, v, src) in f.bound if src == IN_EFFECT}
-    return got.get("CCL_ATL_SHM") == "0" and got.get("FI_PROVIDER") not in (None, "", "shm")
+    if got.get("CCL_ATL_SHM") == "0" and got.get("FI_PROVIDER") not in (None, "", "shm"):
+        return True
+    # Across hosts libfabric's provider, unset, is a network one: oneCCL without its own shared memory
+    # (CCL_ATL_SHM unset or 0, streamcoll's default for a first communicator across hosts) reaches any peer.
+    return (bool(getattr(f, "first_across", False)) and got.get("CCL_ATL_SHM") in (None, "", "0")
+            and got.get("FI_PROVIDER") in (None, ""))
 
 
 def _outside_first(facts: Sequence["RankFactsLike"]) -> Optional[str]:

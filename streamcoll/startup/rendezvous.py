@@ -147,10 +147,7 @@ def parse_address(address: str) -> Tuple[str, int]:
         text = text[len("tcp://"):]
     host, sep, port_text = text.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    try:
-        port = int(port_text)
-    except ValueError:
-        port = -1
+    port = int(port_text) if port_text.isascii() and port_text.isdigit() else -1
     if not sep or not host or not 0 < port < 2 ** 16:
         raise ValueError(f"store: expected a torch.distributed Store or an address 'host:port', got {address!r}")
     return host, port
@@ -166,7 +163,11 @@ def store_at(address: str, rank: int, world_size: int, timeout: float) -> Any:
     host, port = parse_address(address)
     got = _AT.get((host, port))
     if got is not None:
-        return got
+        try:
+            got.check(["streamcoll/alive"])  # the host it reached may have exited (a restarted trainer)
+            return got
+        except (RuntimeError, OSError):  # DistNetworkError: that server is gone; a new one may listen there
+            del _AT[(host, port)]
     store = None
     if rank == 0:
         try:
@@ -179,15 +180,45 @@ def store_at(address: str, rank: int, world_size: int, timeout: float) -> Any:
                     f"({_first_lines(e)}). Check that {host} is an address of this host, or start a store there "
                     f"first and pass it", [], host, port, world_size, None) from None
     if store is None:
+        start = time.monotonic()
         _wait_for_server(host, port, rank, world_size, timeout, False)
         try:
-            store = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout))
+            store = _client_within(host, port, max(1.0, timeout - (time.monotonic() - start)))
         except (RuntimeError, OSError) as e:
             raise RendezvousError(
                 f"rendezvous failed on rank {rank} of {world_size}: no store server answered at {host}:{port} "
                 f"within {timeout:g} s ({_first_lines(e)})", [0], host, port, world_size, None) from None
+        if store is None:
+            raise RendezvousError(
+                f"rendezvous failed on rank {rank} of {world_size}: something listens at {host}:{port} but did "
+                f"not answer as a torch.distributed store within {timeout:g} s (a process that is no store holds "
+                f"the port?): pass another address", [], host, port, world_size, None, timed_out=False)
     _AT[(host, port)] = store
     return store
+
+
+def _client_within(host: str, port: int, timeout: float) -> Any:
+    """A TCPStore client of ``host:port``, or None where its connection
+    does not complete within ``timeout``: torch's client waits for the
+    server's answer to its handshake without a bound, so a listener that is
+    no store (it accepts, never answers) held it as long as it lived
+    (measured: over 80 s for ``timeout=5``). The waiting thread is left
+    behind (a daemon); its store, if it ever connects, is dropped."""
+    import torch.distributed as dist
+    box: Dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout))
+        except BaseException as e:  # noqa: BLE001  (re-raised in the caller)
+            box["error"] = e
+
+    t = threading.Thread(target=connect, name="streamcoll-store-connect", daemon=True)
+    t.start()
+    t.join(timeout)
+    if "error" in box:
+        raise box["error"]
+    return box.get("store")
 
 
 def _wait_for_server(addr: str, port: int, rank: int, world_size: int, timeout: float, agent: bool) -> None:
@@ -494,7 +525,8 @@ def _follow(store: Any, rank: int, world_size: int, timeout: float, cname: str) 
 def rendezvous(store: Any, rank: int, world_size: int, *, timeout: Union[float, timedelta],
                facts: Optional[topology.RankFacts] = None,
                make_uid: Callable[[topology.Topology, str], bytes],
-               name: Optional[str] = None, known: Optional[topology.Topology] = None) -> Meeting:
+               name: Optional[str] = None, known: Optional[topology.Topology] = None,
+               scoped: bool = True) -> Meeting:
     """The store part of creating a communicator (collective), in a constant
     number of store requests per rank: 4 here (5 on rank 0), whatever ``world_size``
     (``new_communicator`` adds two keys around the native init).
@@ -507,7 +539,9 @@ def rendezvous(store: Any, rank: int, world_size: int, *, timeout: Union[float, 
        rank's communicators of another size, a 1-rank one on the shared
        store, shift no one's count). Under srun the job and step lead the
        name (:func:`launchers.job_scope`): a job whose port collides with
-       another's never joins its rendezvous. Communicators of one name and
+       another's never joins its rendezvous (``scoped`` False: not, for a
+       store given as an address, whose members belong to different jobs by
+       design: an srun task and a server started with python). Communicators of one name and
        size on one store are made one after another by their members:
        groups made at the same time need their own ``name`` (or store), and
        a sub-world communicator (``1 < world_size < WORLD_SIZE``) without a
@@ -540,7 +574,7 @@ def rendezvous(store: Any, rank: int, world_size: int, *, timeout: Union[float, 
     import torch.distributed as dist
     t = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     _check_name(name, world_size)
-    base = f"streamcoll/{launchers.job_scope()}{name or 'comm'}/{world_size}"
+    base = f"streamcoll/{launchers.job_scope() if scoped else ''}{name or 'comm'}/{world_size}"
     with _LOCK:
         n = (int(store.add(f"{base}/made", 1)) - 1) // world_size + 1
     prefix = f"{base}/{n}/"

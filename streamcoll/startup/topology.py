@@ -89,6 +89,8 @@ class RankFacts:
     own: Tuple[Tuple[str, str, str], ...] = ()              # env.own(): streamcoll's own must-agree settings
     job: str = ""                                           # its launched job (job_token()); "" unknown
     first: Optional[str] = None                             # the scope of its first oneCCL communicator
+    remade: bool = False                                    # oneCCL remakes its transport at its next init
+    first_across: bool = False                              # its first oneCCL communicator spanned hosts
 
     def to_json(self) -> str:
         """Compact JSON (the CPU list as ranges, ``"0..63"``), see :func:`to_plain`."""
@@ -170,7 +172,8 @@ def local_facts(rank: int, store: Any = None) -> RankFacts:
     addr = rendezvous_address(store)
     route = route_to(addr) if addr else None
     return RankFacts(rank, ident, machine, network, socket.gethostname(), os.getpid(), _node(rank), _cpus(), route,
-                     env.bound(), env.enabled(), _job_size(), env.own(), job_token(), env.first_communicator())
+                     env.bound(), env.enabled(), _job_size(), env.own(), job_token(), env.first_communicator(),
+                     env.remade(), env.first_across_hosts())
 
 
 def job_token() -> str:
