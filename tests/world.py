@@ -65,21 +65,47 @@ def _port_band() -> range:
     return range(top - 10000, top)
 
 
+_RESERVED = os.path.join(os.environ.get("TMPDIR", "/tmp"), "streamcoll-test-ports")
+_RESERVE_S = 1800.0  # a port handed out is not handed out again for this long, by any worker
+
+
+def _reserve(port: int) -> bool:
+    """Claim ``port`` for this test session across processes (an O_EXCL file
+    per port): two xdist workers drawing the same port before either bound
+    it once made one world's store fail with EADDRINUSE."""
+    os.makedirs(_RESERVED, exist_ok=True)
+    path = os.path.join(_RESERVED, str(port))
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return True
+    except FileExistsError:
+        try:
+            if time.time() - os.stat(path).st_mtime > _RESERVE_S:  # an old claim: take it over
+                os.utime(path)
+                return True
+        except OSError:
+            pass
+        return False
+
+
 def free_port() -> int:
     """A loopback port free now and outside the ephemeral range (so no
     outgoing connection takes it before the store binds it), drawn at
-    random so that two xdist workers do not pick the same one."""
+    random and claimed (:func:`_reserve`) so that no two tests of any
+    worker get the same one."""
     import random
     band = _port_band()
-    for _ in range(200):
+    for _ in range(400):
         port = random.choice(band)
+        if not _reserve(port):
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free loopback port in {band.start}..{band.stop - 1} after 200 tries")
+    raise RuntimeError(f"no free loopback port in {band.start}..{band.stop - 1} after 400 tries")
 
 
 def kill_sessions(procs: List[Any]) -> None:

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any, Dict, List
 
+import pytest
 import torch
 
 from conftest import needs_oneccl
@@ -48,6 +49,12 @@ def _order(comm: Any) -> Dict[str, Any]:
     def hold(f: Any) -> None:
         ran.append(("cb0", threading.get_ident() == main))
         held.set()
+        if threading.get_ident() == main:
+            # w0 completed before then() was attached with nothing pending: torch runs the callback
+            # at once, here (the library's rule for a done future); holding the gate here blocked
+            # this thread until it timed out (150 s, seen in CI). The scenario needs w0 pending.
+            timed_out.append(False)
+            return
         # held until this rank has registered cb3, however long its peer takes to get there
         # (a fixed 30 s here ran out once in CI: cb1-cb3 then ran behind it correctly, and cb3,
         # attached once the callback thread had caught up, on the calling thread, as it should)
@@ -147,6 +154,10 @@ def test_futures_complete_in_order_on_the_callback_thread_whenever_get_future_is
     ``[cb0, cb2 (main), cb3 (main), cb1]``. Now every callback runs on the
     callback thread, in completion order."""
     res = world2.run(_order, timeout=240)
+    inline = [r for r, out in enumerate(res) if out["ran"][:1] == [("cb0", True)]]
+    if inline:
+        pytest.skip(f"rank(s) {inline}: w0 completed before its get_future() with nothing pending (its callback "
+                    "ran at once on the calling thread, as the rule allows): the gate could not be set up")
     for r, out in enumerate(res):
         assert out["gate_timed_out"] == [False], (r, out["ran"], out["seconds"], out["stacks"][0])
         assert out["pending_at_get"], (r, "w2 completed before get_future(): the race was not exercised")
