@@ -322,21 +322,13 @@ def _check_first_transport(topo: "topology.Topology", cname: str) -> None:
     again with the next one after the last was destroyed), for that
     communicator's members only (docs/design.md, section 'A process's first
     oneCCL communicator spans the world'). Where that communicator is not the
-    launcher's whole world, :func:`env.agreed_defaults` picks TCP; here what
-    it cannot fix: shared memory in effect since an earlier init (oneCCL
-    reads its variables once), or set by the user."""
+    launcher's whole world, :func:`env.agreed_defaults` picks TCP; shared
+    memory in effect since an earlier init (oneCCL reads its variables once)
+    is refused on every member by :func:`env.agree` (``RankFacts.remade``,
+    ``RankFacts.first``); here only a warning where the user set it."""
     if topo.spans_job:
         return
-    from ..core.communicator import live_count
     running = env.in_effect()
-    if running and running.get("CCL_ATL_SHM") == "1" and live_count("oneccl") == 0:
-        raise CommunicatorError(
-            f"init of communicator {cname!r}: this process destroyed all its oneCCL communicators, so oneCCL "
-            f"makes its transport again from this one, with shared memory (CCL_ATL_SHM=1, in effect since the "
-            f"process's first init), sized for its {topo.world_size} of the launcher's {topo.layout.job_size} "
-            f"ranks: a later communicator with any other rank would never finish its creation. Keep a "
-            f"communicator over the whole world alive (do not destroy the streamcoll world group or "
-            f"streamcoll.init()'s communicator before making sub-groups), or start the process afresh")
     if not running and os.environ.get("CCL_ATL_SHM") == "1":
         log.warning("communicator %r is this process's first oneCCL communicator and spans %d of the launcher's "
                     "%s ranks, with CCL_ATL_SHM=1 set: oneCCL's shared memory then cannot serve a later "

@@ -194,28 +194,32 @@ def _user_env() -> Dict[str, str]:
         return {k: v for k, v in os.environ.items() if _ACTIVE.get(k) != v}
 
 
-_FIRST: List[str] = []  # the scope of this process's first oneCCL communicator (note_first)
-_FIRST_ACROSS: List[bool] = []  # whether that communicator spanned several hosts
+class _First(NamedTuple):
+    scope: str          # equal on that communicator's members
+    across_hosts: bool  # whether its members were on several hosts
+
+
+_FIRST: Optional[_First] = None  # this process's first oneCCL communicator (note_first)
 
 
 def note_first(scope: Optional[str], across_hosts: bool = False) -> None:
     """Record the process's first oneCCL communicator (its scope, equal on
     its members, and whether its members were on several hosts): oneCCL
     made its transport for that communicator's members."""
+    global _FIRST
     with _LOCK:
-        if not _FIRST and scope:
-            _FIRST.append(scope)
-            _FIRST_ACROSS.append(bool(across_hosts))
+        if _FIRST is None and scope:
+            _FIRST = _First(scope, bool(across_hosts))
 
 
 def first_across_hosts() -> bool:
     """Whether this process's first oneCCL communicator spanned several hosts."""
-    return bool(_FIRST_ACROSS and _FIRST_ACROSS[0])
+    return bool(_FIRST and _FIRST.across_hosts)
 
 
 def first_communicator() -> Optional[str]:
     """The scope of this process's first oneCCL communicator (None: none yet)."""
-    return _FIRST[0] if _FIRST else None
+    return _FIRST.scope if _FIRST else None
 
 
 def remade() -> bool:
@@ -417,7 +421,8 @@ def agree(topo: "TopologyLike", facts: Sequence["RankFactsLike"]) -> Agreed:
             f"{_ranks(again)} destroyed all their oneCCL communicators, so oneCCL makes its transport again from "
             f"this one, with shared memory (CCL_ATL_SHM=1, in effect since their process's first init), sized for "
             f"its {topo.world_size} ranks: a later communicator with any other rank would never finish its "
-            f"creation. Keep a communicator over the whole world alive, or start the process afresh")
+            f"creation. Keep a communicator over the whole world alive (do not destroy the streamcoll world group "
+            f"or streamcoll.init()'s communicator before making sub-groups), or start the process afresh")
     if problem:
         conflicts["CCL_ATL_SHM"] = (conflicts["CCL_ATL_SHM"] + "; " if "CCL_ATL_SHM" in conflicts else "") + problem
     return Agreed(values, conflicts, mine)

@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -112,8 +113,8 @@ def _get_store(rank: int, world_size: int, timeout: float):
             if master:
                 store = dist.TCPStore(addr, port, world_size, True, timedelta(seconds=timeout),
                                       wait_for_workers=False, multi_tenant=True)
-            else:
-                store = dist.TCPStore(addr, port, world_size, False, timedelta(seconds=timeout))
+            else:  # bounded: a listener that is no store would hold torch's client for good
+                store = _client_within(addr, port, timeout)
         except (RuntimeError, OSError) as e:  # DistNetworkError, DistStoreError
             who = ("no store server answered" if not agent else "torchrun's agent store did not answer")
             advice = (f"Check that rank 0 runs and that MASTER_ADDR/MASTER_PORT are the same on every rank "
@@ -121,9 +122,8 @@ def _get_store(rank: int, world_size: int, timeout: float):
             if master:
                 # Binding fails at once, not at the timeout: say what holds the port.
                 who = "could not start the store server"
-                in_use = "EADDRINUSE" in str(e) or "address already in use" in str(e).lower()
                 advice = (f"MASTER_PORT={port} is already in use on this host (another job, or a process left "
-                          f"over from one): pick another MASTER_PORT." if in_use else
+                          f"over from one): pick another MASTER_PORT." if _in_use(e) else
                           f"Check that MASTER_ADDR={addr} is an address of this host.")
                 where = f"at {addr}:{port}"
             else:
@@ -132,11 +132,21 @@ def _get_store(rank: int, world_size: int, timeout: float):
                 f"rendezvous failed on rank {rank} of {world_size}: {who} {where} ({_first_lines(e)}). {advice}",
                 [0] if not master else [], addr, port, world_size, os.environ.get("WORLD_SIZE"),
             ) from None
+        if store is None:
+            raise _not_a_store(addr, port, rank, world_size, timeout, "check MASTER_ADDR/MASTER_PORT")
         _STORE = store
     return _STORE
 
 
+def _in_use(e: BaseException) -> bool:
+    """Whether a store server's start failed because its port is taken."""
+    return "EADDRINUSE" in str(e) or "address already in use" in str(e).lower()
+
+
 _AT: Dict[Tuple[str, int], Any] = {}  # store_at's servers and clients, one per address in this process
+
+
+_HOST = re.compile(r"[A-Za-z0-9_.-]+|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9_.-]+)?")  # a name, IPv4 or IPv6
 
 
 def parse_address(address: str) -> Tuple[str, int]:
@@ -148,7 +158,7 @@ def parse_address(address: str) -> Tuple[str, int]:
     host, sep, port_text = text.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     port = int(port_text) if port_text.isascii() and port_text.isdigit() else -1
-    if not sep or not host or not 0 < port < 2 ** 16:
+    if not sep or not _HOST.fullmatch(host) or not 0 < port < 2 ** 16:
         raise ValueError(f"store: expected a torch.distributed Store or an address 'host:port', got {address!r}")
     return host, port
 
@@ -174,7 +184,7 @@ def store_at(address: str, rank: int, world_size: int, timeout: float) -> Any:
             store = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout), wait_for_workers=False,
                                   multi_tenant=True)
         except (RuntimeError, OSError) as e:
-            if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
+            if not _in_use(e):
                 raise RendezvousError(
                     f"rendezvous failed on rank 0 of {world_size}: could not start a store server at {host}:{port} "
                     f"({_first_lines(e)}). Check that {host} is an address of this host, or start a store there "
@@ -189,12 +199,16 @@ def store_at(address: str, rank: int, world_size: int, timeout: float) -> Any:
                 f"rendezvous failed on rank {rank} of {world_size}: no store server answered at {host}:{port} "
                 f"within {timeout:g} s ({_first_lines(e)})", [0], host, port, world_size, None) from None
         if store is None:
-            raise RendezvousError(
-                f"rendezvous failed on rank {rank} of {world_size}: something listens at {host}:{port} but did "
-                f"not answer as a torch.distributed store within {timeout:g} s (a process that is no store holds "
-                f"the port?): pass another address", [], host, port, world_size, None, timed_out=False)
+            raise _not_a_store(host, port, rank, world_size, timeout, "pass another address")
     _AT[(host, port)] = store
     return store
+
+
+def _not_a_store(host: str, port: int, rank: int, world_size: int, timeout: float, advice: str) -> RendezvousError:
+    return RendezvousError(
+        f"rendezvous failed on rank {rank} of {world_size}: something listens at {host}:{port} but did not answer "
+        f"as a torch.distributed store within {timeout:g} s (a process that is no store holds the port?): {advice}",
+        [], host, port, world_size, None, timed_out=False)
 
 
 def _client_within(host: str, port: int, timeout: float) -> Any:

@@ -328,4 +328,4 @@ def test_a_remade_transport_with_shared_memory_is_refused_on_every_rank():
     finally:
         w.close()
     for r in res:
-        assert r is not None and "destroyed all its oneCCL communicators" in r[1], r
+        assert r is not None and "destroyed all their oneCCL communicators" in r[1], r

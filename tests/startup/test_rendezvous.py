@@ -74,6 +74,41 @@ def test_unreachable_port_within_the_timeout(tmp_path):
     assert len(err.splitlines()) < 25, err
 
 
+def test_a_client_facing_a_port_held_by_no_store_fails_within_the_timeout(tmp_path):
+    """Something that is no torch store listens at MASTER_PORT (it accepts
+    and never answers): torch's client waits for its handshake without a
+    bound; rank 1 must raise within its timeout (5 s) naming the address,
+    not wait for as long as that process lives."""
+    import socket
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen(16)  # the kernel completes the connection; nobody answers
+        p, took = _run(tmp_path, 1, 2, 5.0, port)
+    assert p.returncode == 3, p.stdout + p.stderr
+    raised, secs = p.stdout.splitlines()[0].split()[1:]
+    assert raised == "RendezvousError" and float(secs) < 8.0, p.stdout
+    assert f"something listens at 127.0.0.1:{port} but did not answer as a torch.distributed store" in p.stderr, (
+        p.stderr)
+    _no_cpp(p.stderr)
+
+
+@pytest.mark.parametrize("bad", ["a b:80", "host:80x", "host:0", "host:70000", ":80", "host", "[::1:80", "h/x:80",
+                                 "host:+80", "host:٨٠"])
+def test_a_malformed_store_address_is_a_value_error_naming_store(bad):
+    from streamcoll.startup.rendezvous import parse_address
+    with pytest.raises(ValueError, match=r"^store: .*" + __import__("re").escape(repr(bad))):
+        parse_address(bad)
+
+
+@pytest.mark.parametrize("good,want", [("localhost:80", ("localhost", 80)), ("tcp://10.0.0.1:29500", ("10.0.0.1", 29500)),
+                                       ("[::1]:29500", ("::1", 29500)), ("[fe80::1%eth0]:1", ("fe80::1%eth0", 1)),
+                                       (" node-7.cluster_a:65535 ", ("node-7.cluster_a", 65535))])
+def test_a_store_address_parses(good, want):
+    from streamcoll.startup.rendezvous import parse_address
+    assert parse_address(good) == want
+
+
 def test_rank_0_on_a_port_in_use_says_so_at_once(tmp_path):
     """CI once saw a test's MASTER_PORT taken by another process: the error
     said "within 600 s" (binding fails at once) and advised checking rank 0.
@@ -380,7 +415,7 @@ def test_a_peer_that_refused_or_left_is_no_timeout(tmp_path, mode):
     if mode == "refused":
         zero = res[0]
         assert len(res) == 2 and zero["raised"] == one["raised"] == "CommunicatorError", info
-        assert "this process destroyed all its oneCCL communicators" in msg, msg
+        assert "destroyed all their oneCCL communicators" in msg, msg
         assert "(reported by rank 0 to every rank; this is rank 1)" in msg, msg
     else:
         assert len(res) == 1 and one["raised"] == "RendezvousError" and one["timed_out"] is False, info
