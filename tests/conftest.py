@@ -20,7 +20,7 @@ import pytest
 
 # tests/ holds the test files in a folder per concern (binding, core,
 # diagnostics, startup, integrations, repo, multihost) and, at its top, the
-# helpers they import (world, workloads, netns, signal_ranks): on the path for
+# helpers they import (world, workloads, netns, rank_scripts): on the path for
 # every test file, whatever its folder (pytest puts only the file's own folder
 # there). ROOT is the repository's root, for the tests that read or run its
 # files (``from conftest import ROOT``); a test file run as a rank's script

@@ -203,6 +203,31 @@ class Processes:
             time.sleep(poll)
         raise AssertionError(f"rank {r} never wrote {key!r}\n{self.describe()}")
 
+    def stderr(self, r: int) -> str:
+        return self.text(f"stderr{r}")
+
+    def until_ended(self, r: int, timeout: float) -> None:
+        """Until rank ``r`` ended (``ended[r]`` set) or ``timeout`` s passed."""
+        deadline = time.monotonic() + timeout
+        while self.procs[r].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.procs[r].poll() is not None:
+            self.ended[r] = time.time()
+
+    def until_said(self, r: int, text: str, timeout: float) -> str:
+        """Rank ``r``'s ``stderr<r>`` once ``text`` is in it (and 0.3 s for the
+        rest of the message); AssertionError if ``r`` ends first without it
+        or ``timeout`` s pass."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ended = self.procs[r].poll() is not None
+            if text in self.stderr(r):
+                time.sleep(0.3)
+                return self.stderr(r)
+            if ended or time.monotonic() >= deadline:
+                raise AssertionError(f"rank {r} never said {text!r}\n{self.describe()}")
+            time.sleep(0.05)
+
     def describe(self) -> str:
         """Each rank's exit status and the tail of its ``stderr<r>``."""
         out = []

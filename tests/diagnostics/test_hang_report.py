@@ -54,6 +54,7 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
 
+from rank_scripts import all_started, marker_line, record  # noqa: E402
 from world import Processes  # noqa: E402
 
 TIMEOUT = 4.0
@@ -62,26 +63,12 @@ EXIT_CODE = 86
 
 # ===================================================================== ranks
 def _out(name: str, data: dict) -> None:
-    path = os.path.join(os.environ["HANG_OUT"], name)
-    old = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
-    old.update(data)
-    with open(path + ".tmp", "w") as f:
-        json.dump(old, f)
-    os.replace(path + ".tmp", path)
+    record("HANG_OUT", data, name)
 
 
-def _all_started(limit: float = 60.0) -> None:
+def _all_started() -> None:
     """Every rank's process up (its imports done) before the short timeouts start."""
-    d, rank, size = os.environ["HANG_OUT"], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    open(os.path.join(d, f"started.{rank}"), "w").close()
-    end = time.monotonic() + limit
-    while not all(os.path.exists(os.path.join(d, f"started.{r}")) for r in range(size)):
-        if time.monotonic() > end:
-            raise TimeoutError(f"rank {rank}: not every rank started within {limit:g} s")
-        time.sleep(0.01)
+    all_started("HANG_OUT")
 
 
 def evaluate(seconds: float) -> None:
@@ -286,11 +273,7 @@ SCENARIOS = {
 
 
 def _line(marker: str) -> int:
-    with open(os.path.abspath(__file__)) as f:
-        for i, text in enumerate(f, 1):
-            if text.rstrip().endswith(f"# {marker}") or f"# {marker}:" in text:
-                return i
-    raise AssertionError(marker)
+    return marker_line(os.path.abspath(__file__), marker)
 
 
 # ==================================================================== tests
@@ -318,26 +301,6 @@ if __name__ != "__main__":
                                    "TORCH_FR_DUMP_TEMP_FILE": os.path.join(self.dir, "fr", "trace_")},
                                   **(env or {})))
             os.makedirs(os.path.join(self.dir, "fr"))
-
-        def stderr(self, r: int) -> str:
-            return self.text(f"stderr{r}")
-
-        def until_ended(self, r: int, timeout: float) -> None:
-            deadline = time.monotonic() + timeout
-            while self.procs[r].poll() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if self.procs[r].poll() is not None:
-                self.ended[r] = time.time()
-
-        def until_said(self, r: int, text: str, timeout: float) -> str:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                err = self.stderr(r)
-                if text in err:
-                    time.sleep(0.3)  # the rest of the message
-                    return self.stderr(r)
-                time.sleep(0.05)
-            raise AssertionError(f"rank {r} never said {text!r}\n{self.describe()}")
 
         def until_file(self, name: str, timeout: float = 20) -> str:
             path = os.path.join(self.flight_dir, name)

@@ -36,13 +36,13 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Optional
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(TESTS)
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
 
+from rank_scripts import all_started, marker_line, record  # noqa: E402
 from world import Processes, free_port, kill_sessions  # noqa: E402
 
 TIMEOUT = 4.0
@@ -51,15 +51,7 @@ EXIT_CODE = 86
 
 # ===================================================================== ranks
 def _out(data: dict) -> None:
-    path = os.path.join(os.environ["HANG_OUT"], f"rank{os.environ['RANK']}.json")
-    old = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
-    old.update(data)
-    with open(path + ".tmp", "w") as f:
-        json.dump(old, f)
-    os.replace(path + ".tmp", path)
+    record("HANG_OUT", data)
 
 
 def _wait_file(name: str, limit: float = 60.0) -> None:
@@ -72,9 +64,7 @@ def _wait_file(name: str, limit: float = 60.0) -> None:
 
 
 def _all_started() -> None:
-    open(os.path.join(os.environ["HANG_OUT"], f"started.{os.environ['RANK']}"), "w").close()
-    for r in range(int(os.environ["WORLD_SIZE"])):
-        _wait_file(f"started.{r}")
+    all_started("HANG_OUT")
 
 
 def evaluate(seconds: float) -> None:
@@ -349,11 +339,7 @@ SCENARIOS = {
 
 
 def _line(marker: str) -> int:
-    with open(os.path.abspath(__file__)) as f:
-        for i, text in enumerate(f, 1):
-            if text.rstrip().endswith(f"# {marker}"):
-                return i
-    raise AssertionError(marker)
+    return marker_line(os.path.abspath(__file__), marker)
 
 
 # ==================================================================== tests
@@ -390,27 +376,6 @@ if __name__ != "__main__":
                 assert p.poll() is None and time.monotonic() < deadline, self.text(name)
                 time.sleep(0.05)
             return p
-
-        def stderr(self, r: int) -> str:
-            return self.text(f"stderr{r}")
-
-        def until_ended(self, r: int, timeout: float) -> None:
-            deadline = time.monotonic() + timeout
-            while self.procs[r].poll() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if self.procs[r].poll() is not None:
-                self.ended[r] = time.time()
-
-        def until_said(self, r: int, text: str, timeout: float) -> str:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                if text in self.stderr(r):
-                    time.sleep(0.3)
-                    return self.stderr(r)
-                if self.procs[r].poll() is not None:
-                    break
-                time.sleep(0.05)
-            raise AssertionError(f"rank {r} never said {text!r}\n{self.describe()}")
 
         def kill(self) -> None:
             from world import kill_sessions

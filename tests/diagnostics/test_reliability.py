@@ -27,7 +27,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 # tests/ (conftest, world and the other helpers) on the path, also when this
 # file runs as a rank's script (python tests/diagnostics/test_reliability.py ...)
@@ -35,6 +35,7 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
 
+from rank_scripts import all_started  # noqa: E402
 from world import Processes  # noqa: E402
 
 EXIT_CODE = 86  # streamcoll.diagnostics.watchdog.EXIT_CODE (checked below)
@@ -48,18 +49,8 @@ def _out(name: str, data: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _all_started(limit: float = 60.0) -> None:
-    """Wait (bounded) until every rank's process is up, its imports done:
-    the scenarios' short communicator timeouts (2 s) bound the rendezvous
-    too, and on a loaded machine three interpreters importing torch can
-    start more than that apart (CI: "ranks 1, 2 never joined within 2 s")."""
-    d, rank, size = os.environ["RELIABILITY_OUT"], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    open(os.path.join(d, f"started.{rank}"), "w").close()
-    end = time.monotonic() + limit
-    while not all(os.path.exists(os.path.join(d, f"started.{r}")) for r in range(size)):
-        if time.monotonic() > end:
-            raise TimeoutError(f"rank {rank}: not every rank started within {limit:g} s")
-        time.sleep(0.01)
+def _all_started() -> None:
+    all_started("RELIABILITY_OUT")
 
 
 def _peer_death(async_op: bool) -> None:
@@ -201,9 +192,6 @@ if __name__ != "__main__":
                              dict({"RELIABILITY_OUT": self.dir, "STREAMCOLL_FLIGHT_DIR": self.flight_dir}, **(env or {})))
 
         wait = Processes.wait_all
-
-        def stderr(self, r: int) -> str:
-            return self.text(f"stderr{r}")
 
         def describe(self) -> str:
             return "\n".join(f"--- rank {r}: exit {self.rc(r)}\n{self.stderr(r)[-3000:]}"

@@ -29,27 +29,30 @@ SIGKILLed with it in a ``finally``; its tests have 120 s each.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 # tests/ (world, signal_ranks, conftest): on the path also when this file runs as a rank's script
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
 
-from signal_ranks import own_regions, record  # noqa: E402
+from rank_scripts import own_regions, record  # noqa: E402
 from world import Processes, free_port, rank_env  # noqa: E402
 
 
 
 def _out(name: str, data: dict) -> None:
-    record(data, name)
+    record("SIGNALS_OUT", data, name)
+
+
+def _rank_out(data: dict) -> None:
+    record("SIGNALS_OUT", data)
 
 
 def _caught() -> List[str]:
@@ -130,9 +133,6 @@ SCENARIOS = {"between": _between, "stuck": _stuck, "late_peer": _late_peer}
 # ======================================================== the watcher's attacks
 # (the review of the signal watcher: the module docstring's second part)
 BOUND_S = 2.0
-
-
-_rank_out = record
 
 
 _regions = own_regions

@@ -17,6 +17,7 @@ SCENARIO``), each in its own session, killed with it on failure.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -32,13 +33,13 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
 
-from signal_ranks import own_regions, record  # noqa: E402
+from rank_scripts import own_regions, record  # noqa: E402
 from world import Processes, free_port  # noqa: E402
 
 BOUND_S = 2.0  # a launcher's SIGTERM ends the rank within this
 
 
-_out = record
+_out = functools.partial(record, "SIGNALS_OUT")
 
 
 _regions = own_regions
