@@ -37,7 +37,7 @@ import threading
 import time
 from typing import List, Optional
 
-# tests/ (world, signal_ranks, conftest): on the path also when this file runs as a rank's script
+# tests/ (world, rank_scripts, conftest): on the path also when this file runs as a rank's script
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
