@@ -40,7 +40,7 @@ while [ $# -gt 0 ]; do
 done
 say() { echo "[gpu_check] $*"; }
 CUDA_TESTS=(tests/core/test_cuda.py tests/diagnostics/test_reliability.py tests/integrations/test_compile.py
-            tests/integrations/test_process_group.py)
+            tests/integrations/test_process_group.py tests/startup/test_cross_job_cuda.py)
 PYTEST_FLAGS=(-m cuda -p no:cacheprovider -q -rA)
 # Per-test timeouts need pytest-timeout (the GPU machine's image has it; an
 # unknown --timeout would make pytest exit 4 having run nothing). Without it,
