@@ -196,6 +196,8 @@ def slurm():
 
 
 def _check_srun(res: List[dict], first: str) -> None:
+    print(f"{first} first: new_communicator + broadcast took " + ", ".join(f"rank {r} {x.get('took', -1):.2f} s"
+                                                                        for r, x in enumerate(res)))
     for r, x in enumerate(res):
         assert "error" not in x, (r, x)
         assert x["weights"] == x["gloo"], (r, x)
@@ -227,13 +229,12 @@ def test_a_trainer_under_srun_meets_a_server_through_an_address(tmp_path, slurm,
 
 
 @srun_test
-@pytest.mark.xfail(strict=True, reason="a member under srun prefixes its rendezvous keys with its SLURM job's scope "
-                   "(slurm<job>.<step>/) for a Store object given to new_communicator, the python server does not: "
-                   "they never meet and every member times out")
 @pytest.mark.parametrize("first", ["trainer", "server"])
 def test_a_trainer_under_srun_meets_a_server_through_a_store_object(tmp_path, slurm, first):
     """The same through a TCPStore object the trainer's rank 0 hosts (every
-    member makes its own client of it and passes it as ``store=``)."""
+    member makes its own client of it and passes it as ``store=``). Before,
+    the srun tasks led their rendezvous keys with their job's scope
+    (``slurm<job>.<step>/``) and the server did not: all timed out."""
     _check_srun(_run(tmp_path, first, True, TCP, launcher="srun", store="object", slurm_conf=slurm), first)
 
 
