@@ -36,7 +36,7 @@ from world import Processes, bare_env, free_port
 from streamcoll.startup import env_defaults as env, topology
 
 _JOB = r"""
-import json, os, sys, time
+import json, os, socket, sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
 import streamcoll
@@ -49,12 +49,18 @@ if role == "trainer":
     if world_first:
         dist.init_process_group("streamcoll", timeout=timedelta(seconds=30))
         t = torch.ones(4); dist.all_reduce(t); res["world"] = t.tolist()
-    if not address:
-        store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, timedelta(seconds=60), wait_for_workers=False)
 else:
     rank = 2
-    if not address:
-        store = dist.TCPStore("127.0.0.1", port, 3, False, timedelta(seconds=60))
+open(os.path.join(out, f"ready{rank}"), "w").close()  # about to meet the others (_run's after_ready)
+if not address:  # the trainer's rank 0 hosts it
+    end = time.monotonic() + 60
+    while rank != 0 and time.monotonic() < end:  # torch's client backs off for seconds once refused: poll
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, timedelta(seconds=60), wait_for_workers=False)
 def weights():
     return torch.arange(4096, dtype=torch.float32) * 0.5 + 1 if rank == 0 else torch.zeros(4096)
 t0 = time.monotonic()
@@ -89,13 +95,15 @@ TCP = {"CCL_ATL_SHM": "0", "FI_PROVIDER": "tcp"}
 
 
 def _run(tmp_path, first: str, world_first: bool, extra: Dict[str, str], delay: float = 2.0,
-         launcher: str = "torchrun", store: str = "object", slurm_conf: str = "") -> List[dict]:
+         launcher: str = "torchrun", store: str = "object", slurm_conf: str = "", after_ready: bool = False
+         ) -> List[dict]:
     """The trainer (2 ranks under ``launcher``: torchrun, mpiexec from the
     launchers venv, or srun on the one-node SLURM whose ``slurm_conf`` is
     given) and the server (python), ``first`` started ``delay`` s before the
-    other, meeting through ``store``: a TCPStore ``object`` the trainer's
-    rank 0 hosts, or an ``address`` (``store="127.0.0.1:port"``); every
-    member's result."""
+    other (``after_ready``: ``delay`` s after the first is ready to meet,
+    its world made: srun's start takes seconds), meeting through ``store``:
+    a TCPStore ``object`` the trainer's rank 0 hosts, or an ``address``
+    (``store="127.0.0.1:port"``); every member's result."""
     job = tmp_path / "job.py"
     job.write_text(_JOB)
     port, master = free_port(), free_port()
@@ -125,6 +133,11 @@ def _run(tmp_path, first: str, world_first: bool, extra: Dict[str, str], delay: 
         order.reverse()
     try:
         ps.start(order[0][0], order[0][1], order[0][2])
+        ready = [tmp_path / f"ready{r}" for r in ((0, 1) if first == "trainer" else (2,))]
+        deadline = time.monotonic() + 60
+        while after_ready and not all(p.exists() for p in ready) and time.monotonic() < deadline \
+                and ps.procs[0].poll() is None:
+            time.sleep(0.05)
         time.sleep(delay)
         ps.start(order[1][0], order[1][1], order[1][2])
         ps.wait_all(90)
@@ -225,7 +238,8 @@ def test_a_trainer_under_srun_meets_a_server_through_an_address(tmp_path, slurm,
     streamcoll world first; the server: python; all three pass
     ``store="127.0.0.1:port"`` (the trainer's rank 0 hosts it): the weights
     equal gloo's on every member, one host, the late party within 5 s."""
-    _check_srun(_run(tmp_path, first, True, TCP, launcher="srun", store="address", slurm_conf=slurm), first)
+    _check_srun(_run(tmp_path, first, True, TCP, delay=0.5, launcher="srun", store="address", slurm_conf=slurm,
+                     after_ready=True), first)
 
 
 @srun_test
@@ -235,7 +249,8 @@ def test_a_trainer_under_srun_meets_a_server_through_a_store_object(tmp_path, sl
     member makes its own client of it and passes it as ``store=``). Before,
     the srun tasks led their rendezvous keys with their job's scope
     (``slurm<job>.<step>/``) and the server did not: all timed out."""
-    _check_srun(_run(tmp_path, first, True, TCP, launcher="srun", store="object", slurm_conf=slurm), first)
+    _check_srun(_run(tmp_path, first, True, TCP, delay=0.5, launcher="srun", store="object", slurm_conf=slurm,
+                     after_ready=True), first)
 
 
 @needs_oneccl
