@@ -230,6 +230,18 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
         self._set_default_timeout(timeout)
 
     # -- communicators ------------------------------------------------------
+    def _in_launchers_job(self) -> bool:
+        """Whether torch's world (this group's if it is the world, else the
+        default group's) is the launcher's job, the same on every rank of
+        that world: its store is then the launcher's rendezvous, whose keys
+        the job's scope leads (``new_communicator``'s ``job_scoped``). A
+        world of another size met through a store given to
+        ``init_process_group`` (an srun step's tasks and a server started
+        with python) shares that store across jobs: no job's scope."""
+        from ..startup.topology import _job_size
+        size = self._size if self._world or not dist.is_initialized() else dist.get_world_size()
+        return size == _job_size()
+
     def communicator(self, device: Any, op: str = "collective") -> Communicator:
         """The Communicator serving ``device``'s type (created on first use: a
         collective call, so every rank must reach it). ``op`` names that
@@ -264,7 +276,8 @@ class ProcessGroupStreamcoll(dist.ProcessGroup):
                     try:
                         c = new_communicator(device=dev, timeout=self._timeout, store=store, rank=self._rank,
                                              world_size=self._size, name=f"pg{label}-{key}",
-                                             known_topology=group_topology(self))
+                                             known_topology=group_topology(self),
+                                             job_scoped=self._in_launchers_job())
                     except (dist.DistStoreError, RendezvousError) as e:
                         # the store timing out, or the rendezvous naming the ranks that never came; not
                         # a store that stopped answering (its host left: no timeout ran, none is reported)

@@ -161,6 +161,7 @@ def new_communicator(
     name: Optional[str] = None,
     *,
     known_topology: Optional[topology.Topology] = None,
+    job_scoped: Optional[bool] = None,
 ) -> Communicator:
     """Create a Communicator over ``world_size`` ranks (collective: every
     rank calls it with the same arguments in the same order).
@@ -178,10 +179,17 @@ def new_communicator(
     ``known_topology``: these ranks' topology where already known (a
     subgroup's, :func:`group_topology`); used on rank 0, which then reads
     no other rank's facts (the others take rank 0's).
+    ``job_scoped``: whether the launcher's job leads the rendezvous keys
+    (:func:`launchers.job_scope`: SLURM's job and step, so that a step whose
+    port collides with another's never joins its rendezvous). By default
+    only on the launcher's own store (``store`` None); a store given, object
+    or address, is shared by whoever passed it, members of other jobs
+    included (an srun task and a server started with python), so no job's
+    scope is added. The process group passes True where torch's world is
+    the launcher's job (its store then is the launcher's).
     """
     t = _seconds(timeout)
-    across = isinstance(store, str)  # processes of different jobs: no launcher's scope in the namespace
-    if across:
+    if isinstance(store, str):  # processes of different jobs
         parse_address(store)  # a bad address is a ValueError naming store, before anything else
     elif store is not None and not isinstance(store, getattr(torch.distributed, "Store", object)):
         raise ValueError(f"store: expected a torch.distributed Store or an address 'host:port', got "
@@ -223,6 +231,7 @@ def new_communicator(
         device = torch.device(device.type, local_rank())
 
     spans_world = store is None and world_size == _world_size()
+    scoped = store is None if job_scoped is None else bool(job_scoped)
     if store is None:
         store = _get_store(rank, world_size, t)
     elif isinstance(store, str):  # processes of different jobs: rank 0 hosts it there unless a store listens
@@ -262,7 +271,7 @@ def new_communicator(
     # The store part (see rendezvous): the first point where all ranks meet;
     # it waits with progress lines and names the missing ranks at the timeout.
     m = _rendezvous(store, rank, world_size, timeout=t, make_uid=make_uid, name=name,
-                    known=known_topology, scoped=not across)
+                    known=known_topology, scoped=scoped)
     topo, uid, pstore, cname = m.topology, m.uid, m.store, m.name
     if b.name == "oneccl" and launchers.mpi_transport_requested():
         _agree_mpi_transport(pstore, rank, world_size, cname)

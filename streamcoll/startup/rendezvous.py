@@ -553,9 +553,10 @@ def rendezvous(store: Any, rank: int, world_size: int, *, timeout: Union[float, 
        rank's communicators of another size, a 1-rank one on the shared
        store, shift no one's count). Under srun the job and step lead the
        name (:func:`launchers.job_scope`): a job whose port collides with
-       another's never joins its rendezvous (``scoped`` False: not, for a
-       store given as an address, whose members belong to different jobs by
-       design: an srun task and a server started with python). Communicators of one name and
+       another's never joins its rendezvous (``scoped`` False: not;
+       ``new_communicator`` scopes only the launcher's own store, a store
+       given being shared by whoever passed it, members of different jobs
+       included: an srun task and a server started with python). Communicators of one name and
        size on one store are made one after another by their members:
        groups made at the same time need their own ``name`` (or store), and
        a sub-world communicator (``1 < world_size < WORLD_SIZE``) without a

@@ -36,28 +36,37 @@ from world import Processes, bare_env, free_port
 from streamcoll.startup import env_defaults as env, topology
 
 _JOB = r"""
-import json, os, sys, time
+import json, os, socket, sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
 import streamcoll
 role, port, out, world_first = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+address = len(sys.argv) > 5 and sys.argv[5] == "address"  # store="127.0.0.1:port", else a TCPStore object
 res = {}
 if role == "trainer":
-    streamcoll.launchers.adopt()  # torchrun's variables from mpiexec's (a no-op under torchrun)
+    streamcoll.launchers.adopt()  # torchrun's variables from mpiexec's or srun's (a no-op under torchrun)
     rank = int(os.environ["RANK"])
     if world_first:
         dist.init_process_group("streamcoll", timeout=timedelta(seconds=30))
         t = torch.ones(4); dist.all_reduce(t); res["world"] = t.tolist()
-    store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, timedelta(seconds=60), wait_for_workers=False)
 else:
     rank = 2
-    store = dist.TCPStore("127.0.0.1", port, 3, False, timedelta(seconds=60))
+open(os.path.join(out, f"ready{rank}"), "w").close()  # about to meet the others (_run's after_ready)
+if not address:  # the trainer's rank 0 hosts it
+    end = time.monotonic() + 60
+    while rank != 0 and time.monotonic() < end:  # torch's client backs off for seconds once refused: poll
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, timedelta(seconds=60), wait_for_workers=False)
 def weights():
     return torch.arange(4096, dtype=torch.float32) * 0.5 + 1 if rank == 0 else torch.zeros(4096)
 t0 = time.monotonic()
 try:
-    c = streamcoll.new_communicator(backend="oneccl", device="cpu", store=store, rank=rank, world_size=3,
-                                    name="weights", timeout=20)
+    c = streamcoll.new_communicator(backend="oneccl", device="cpu", store=f"127.0.0.1:{port}" if address else store,
+                                    rank=rank, world_size=3, name="weights", timeout=20)
     w = weights()
     c.broadcast(w, src=0)
     res["weights"] = w.tolist()[:8] + [float(w.sum())]
@@ -65,6 +74,9 @@ try:
 except Exception as e:
     res["error"] = f"{type(e).__name__}: {e}"
 res["took"] = time.monotonic() - t0
+if address:  # the store the address names (rank 0 hosts it): the one new_communicator met through
+    from streamcoll.startup.rendezvous import store_at
+    store = store_at(f"127.0.0.1:{port}", rank, 3, 60)
 g = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, 3, timedelta(seconds=30))
 w = weights()
 g.broadcast([w]).wait()
@@ -83,10 +95,15 @@ TCP = {"CCL_ATL_SHM": "0", "FI_PROVIDER": "tcp"}
 
 
 def _run(tmp_path, first: str, world_first: bool, extra: Dict[str, str], delay: float = 2.0,
-         launcher: str = "torchrun") -> List[dict]:
-    """The trainer (2 ranks under ``launcher``: torchrun, or mpiexec from the
-    launchers venv) and the server (python), ``first`` started ``delay`` s
-    before the other; every member's result."""
+         launcher: str = "torchrun", store: str = "object", slurm_conf: str = "", after_ready: bool = False
+         ) -> List[dict]:
+    """The trainer (2 ranks under ``launcher``: torchrun, mpiexec from the
+    launchers venv, or srun on the one-node SLURM whose ``slurm_conf`` is
+    given) and the server (python), ``first`` started ``delay`` s before the
+    other (``after_ready``: ``delay`` s after the first is ready to meet,
+    its world made: srun's start takes seconds), meeting through ``store``:
+    a TCPStore ``object`` the trainer's rank 0 hosts, or an ``address``
+    (``store="127.0.0.1:port"``); every member's result."""
     job = tmp_path / "job.py"
     job.write_text(_JOB)
     port, master = free_port(), free_port()
@@ -95,21 +112,32 @@ def _run(tmp_path, first: str, world_first: bool, extra: Dict[str, str], delay: 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
         e.pop(k, None)
     ps = Processes(str(tmp_path))
-    args = [str(job), "trainer", str(port), str(tmp_path), "1" if world_first else "0"]
+    args = [str(job), "trainer", str(port), str(tmp_path), "1" if world_first else "0", store]
+    slurm_job = f"streamcoll-cross-job-{port}"
     if launcher == "mpiexec":
         from launching import VENV, job_env
         te = job_env(VENV / "bin", **extra)
         trainer = [str(VENV / "bin" / "mpiexec"), "-n", "2", str(VENV / "bin" / "python")] + args
+    elif launcher == "srun":  # the server's environment, srun's own SLURM_* only; 2 minutes at most
+        te = {k: v for k, v in e.items() if not k.startswith(("SLURM_", "PMI_", "OMPI_", "PMIX_"))}
+        te["SLURM_CONF"] = slurm_conf
+        trainer = ["srun", "-n", "2", "--kill-on-bad-exit=1", "--time=2", f"--job-name={slurm_job}",
+                   sys.executable] + args
     else:
         te = e
         trainer = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
                    "127.0.0.1", "--master-port", str(master)] + args
-    server = [sys.executable, str(job), "server", str(port), str(tmp_path), "0"]
+    server = [sys.executable, str(job), "server", str(port), str(tmp_path), "0", store]
     order = [(trainer, te, "trainer.out"), (server, e, "server.out")]
     if first == "server":
         order.reverse()
     try:
         ps.start(order[0][0], order[0][1], order[0][2])
+        ready = [tmp_path / f"ready{r}" for r in ((0, 1) if first == "trainer" else (2,))]
+        deadline = time.monotonic() + 60
+        while after_ready and not all(p.exists() for p in ready) and time.monotonic() < deadline \
+                and ps.procs[0].poll() is None:
+            time.sleep(0.05)
         time.sleep(delay)
         ps.start(order[1][0], order[1][1], order[1][2])
         ps.wait_all(90)
@@ -123,6 +151,8 @@ def _run(tmp_path, first: str, world_first: bool, extra: Dict[str, str], delay: 
         return out
     finally:
         ps.kill()
+        if launcher == "srun":  # srun's tasks are slurmstepd's children, outside srun's session
+            subprocess.run(["scancel", f"--name={slurm_job}"], env=te, capture_output=True, timeout=30)
 
 
 @needs_oneccl
@@ -168,6 +198,59 @@ def test_a_trainer_under_mpiexec_and_a_server(tmp_path):
     res = _run(tmp_path, "trainer", True, TCP, launcher="mpiexec")
     for r, x in enumerate(res):
         assert "error" not in x and x["weights"] == x["gloo"] and x["hosts"] == [[0, 1, 2]], (r, x)
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """The one-node SLURM (scripts/slurm_local.sh), stopped after the module."""
+    from launching import slurm_start, slurm_stop
+    yield slurm_start()
+    slurm_stop()
+
+
+def _check_srun(res: List[dict], first: str) -> None:
+    print(f"{first} first: new_communicator + broadcast took " + ", ".join(f"rank {r} {x.get('took', -1):.2f} s"
+                                                                        for r, x in enumerate(res)))
+    for r, x in enumerate(res):
+        assert "error" not in x, (r, x)
+        assert x["weights"] == x["gloo"], (r, x)
+        assert x["hosts"] == [[0, 1, 2]], (r, x)
+    for r in ([2] if first == "trainer" else [0, 1]):
+        assert res[r]["took"] < 5.0, (r, res[r])  # the late party
+    for x in res[:2]:
+        assert x["world"] == x["world_after"] == [2.0] * 4, x  # the trainer's own streamcoll world, before and after
+
+
+def srun_test(f):
+    """A test with the one-node SLURM: one xdist worker for every SLURM test
+    (test_launchers' reason), 420 s (its first start may install it: apt,
+    up to 300 s)."""
+    for m in (needs_oneccl, pytest.mark.launchers, pytest.mark.slow, pytest.mark.xdist_group("slurm"),
+              pytest.mark.timeout(420)):
+        f = m(f)
+    return f
+
+
+@srun_test
+@pytest.mark.parametrize("first", ["trainer", "server"])
+def test_a_trainer_under_srun_meets_a_server_through_an_address(tmp_path, slurm, first):
+    """The trainer: 2 tasks of ``srun -n 2`` (the one-node SLURM), its own
+    streamcoll world first; the server: python; all three pass
+    ``store="127.0.0.1:port"`` (the trainer's rank 0 hosts it): the weights
+    equal gloo's on every member, one host, the late party within 5 s."""
+    _check_srun(_run(tmp_path, first, True, TCP, delay=0.5, launcher="srun", store="address", slurm_conf=slurm,
+                     after_ready=True), first)
+
+
+@srun_test
+@pytest.mark.parametrize("first", ["trainer", "server"])
+def test_a_trainer_under_srun_meets_a_server_through_a_store_object(tmp_path, slurm, first):
+    """The same through a TCPStore object the trainer's rank 0 hosts (every
+    member makes its own client of it and passes it as ``store=``). Before,
+    the srun tasks led their rendezvous keys with their job's scope
+    (``slurm<job>.<step>/``) and the server did not: all timed out."""
+    _check_srun(_run(tmp_path, first, True, TCP, delay=0.5, launcher="srun", store="object", slurm_conf=slurm,
+                     after_ready=True), first)
 
 
 @needs_oneccl

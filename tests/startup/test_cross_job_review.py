@@ -23,6 +23,13 @@ import torch
 import streamcoll
 addr, rank, ws, names, tmo = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(","), float(sys.argv[5])
 gate = sys.argv[6] if len(sys.argv) > 6 else ""
+how = os.environ.get("MEMBER_STORE", "address")  # or "object": a TCPStore at addr (rank 0 hosts it); "pg": that
+store = addr                                     # store given to init_process_group("streamcoll")
+if how != "address":
+    from datetime import timedelta
+    import torch.distributed as dist
+    host, port = addr.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), None, rank == 0, timedelta(seconds=60), wait_for_workers=False)
 for i, name in enumerate(names):
     if i and gate:  # the second communicator: once the test says so
         while not os.path.exists(gate):
@@ -30,10 +37,14 @@ for i, name in enumerate(names):
     t0 = time.monotonic()
     res = {"name": name}
     try:
-        c = streamcoll.new_communicator(backend="oneccl", device="cpu", store=addr, rank=rank, world_size=ws,
-                                        name=name, timeout=tmo)
         t = torch.ones(4) * (rank + 1)
-        c.all_reduce(t)
+        if how == "pg":
+            dist.init_process_group("streamcoll", store=store, rank=rank, world_size=ws, timeout=timedelta(seconds=tmo))
+            dist.all_reduce(t)
+        else:
+            c = streamcoll.new_communicator(backend="oneccl", device="cpu", store=store, rank=rank, world_size=ws,
+                                            name=name, timeout=tmo)
+            c.all_reduce(t)
         res["sum"] = t.tolist()
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {e}"[:800]
@@ -70,17 +81,22 @@ SRUN_STEP = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1", "SL
              "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "1"}
 
 
-def test_a_member_started_by_srun_meets_a_server_started_with_python(tmp_path):
+@pytest.mark.parametrize("how", ["address", "object", "pg"])
+def test_a_member_started_by_srun_meets_a_server_started_with_python(tmp_path, how):
     """The weight-sync shape under SLURM: the trainer's rank 0 is a task of
-    an srun step (one task here), the server a plain ``python``; both pass
-    ``store="127.0.0.1:port"``, rank= and world_size=. Their rendezvous
-    must meet."""
+    an srun step (one task here: its variables), the server a plain
+    ``python``; both pass ``store="127.0.0.1:port"``, rank= and world_size=
+    (``address``), or a TCPStore there that rank 0 hosts (``object``), or
+    that store to ``init_process_group("streamcoll", store=...)`` (``pg``).
+    Their rendezvous must meet. Before, with a store object the srun task
+    led its keys with its job's scope (``slurm4242.0/``), the server did
+    not: both timed out."""
     addr = f"127.0.0.1:{free_port()}"
+    tcp = dict(CCL_ATL_SHM="0", FI_PROVIDER="tcp", MEMBER_STORE=how)
     ps = Processes(str(tmp_path))
     try:
-        _member(tmp_path, ps, addr, 0, 2, "weights", 8, "trainer.out", dict(SRUN_STEP, CCL_ATL_SHM="0",
-                                                                            FI_PROVIDER="tcp"))
-        _member(tmp_path, ps, addr, 1, 2, "weights", 8, "server.out", dict(CCL_ATL_SHM="0", FI_PROVIDER="tcp"))
+        _member(tmp_path, ps, addr, 0, 2, "weights", 8, "trainer.out", dict(SRUN_STEP, **tcp))
+        _member(tmp_path, ps, addr, 1, 2, "weights", 8, "server.out", tcp)
         ps.wait_all(60)
         got = [_results(ps, "trainer.out"), _results(ps, "server.out")]
         logs = ps.text("trainer.out")[-1500:] + ps.text("server.out")[-1500:]

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 
@@ -39,12 +39,14 @@ def _server():
                          multi_tenant=True)
 
 
-def _spawn(code: str, envs: List[Dict[str, str]], tmp_path, timeout: float = 240) -> List[dict]:
-    """Run ``code`` once per env (started together); each prints one
-    ``OUT <json>`` line: the list of those, in order."""
+def _spawn(code: str, envs: List[Dict[str, str]], tmp_path, timeout: float = 240,
+           base: Optional[Dict[str, str]] = None) -> List[dict]:
+    """Run ``code`` once per env (started together, over ``base``, default
+    this process's); each prints one ``OUT <json>`` line: the list of
+    those, in order."""
     procs = []
     for e in envs:
-        env = dict(os.environ, **TORCHRUN_ENV, **e)
+        env = dict(os.environ if base is None else base, **TORCHRUN_ENV, **e)
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=str(tmp_path),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -247,3 +249,42 @@ def test_two_slurm_jobs_on_one_store_do_not_join_each_other(tmp_path):
     assert lead.get("uid") == member.get("uid") == "job1000", outs
     assert "uid" not in intruder and "rank 0 published nothing" in intruder["error"], outs
     assert [o["scope"] for o in outs] == ["slurm1001.0/", "slurm1000.0/", "slurm1000.0/"], outs
+
+
+_PG_JOB = r"""
+import datetime, json, os, torch, torch.distributed as dist
+import streamcoll
+from streamcoll.startup import launchers
+rank = int(os.environ["SLURM_PROCID"])
+tcp = dist.TCPStore("127.0.0.1", int(os.environ["STORE_PORT"]), None, False, datetime.timedelta(seconds=60))
+out = {"scope": launchers.job_scope()}
+try:
+    dist.init_process_group("streamcoll", store=tcp, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=6))
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    out["sum"] = t.tolist()
+except Exception as e:
+    out["error"] = f"{type(e).__name__}: {e}"[:600]
+print("OUT " + json.dumps(out), flush=True)
+"""
+
+
+def test_a_process_group_over_a_slurm_steps_world_keeps_the_job_scope(tmp_path):
+    """``init_process_group("streamcoll")`` over the whole step (2 tasks of
+    2: the launcher's world, whose store is the launcher's rendezvous):
+    the job and step still lead its communicator's keys, though the store
+    reaches the communicator as a given one (new_communicator scopes only
+    its own default store). Rank 0 of job 1000 and rank 1 of job 1001 (a
+    port collision) on one store: neither joins the other (without the
+    scope they met and summed [2.0, 2.0]); both time out (6 s)."""
+    server = _server()
+    envs = [{"SLURM_PROCID": str(rank), "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2",
+             "SLURM_LOCALID": str(rank), "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0",
+             "SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "localhost", "STORE_PORT": str(server.port)}
+            for rank, job in ((0, 1000), (1, 1001))]
+    keep = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_",
+                                                                       "TORCHELASTIC", "GROUP_RANK", "MASTER_PORT"))}
+    outs = _spawn(_PG_JOB, envs, tmp_path, timeout=120, base=keep)
+    assert [o["scope"] for o in outs] == ["slurm1000.0/", "slurm1001.0/"], outs
+    for o in outs:
+        assert "sum" not in o and "did not complete within 6 s" in o.get("error", ""), outs
