@@ -313,6 +313,8 @@ def _mpi_rendezvous(launch: Launch, env: Mapping[str, str]) -> Launch:
     addr, port = env.get("MASTER_ADDR") or None, env.get("MASTER_PORT") or None
     if addr and port and launch.world_size is not None:
         return replace(launch, address=addr, port=port, how="MASTER_ADDR, MASTER_PORT")
+    if launch.launcher == "mpich-hydra" and env.get("PMI_FD", "").strip() and "mpi4py.MPI" not in sys.modules:
+        return _pmi_rendezvous(launch, env, addr, port)
     MPI = _mpi4py()
     if MPI is None:
         if addr and launch.world_size is not None:
@@ -338,6 +340,32 @@ def _mpi_rendezvous(launch: Launch, env: Mapping[str, str]) -> Launch:
     how = ("MASTER_ADDR" if addr else "rank 0's address through mpi4py") + "; " + (
         "MASTER_PORT" if port else "a free port of rank 0 through mpi4py")
     return replace(launch, rank=mrank, world_size=size, address=a, port=p, how=how)
+
+
+def _pmi_rendezvous(launch: Launch, env: Mapping[str, str], addr: Optional[str], port: Optional[str]) -> Launch:
+    """hydra's PMI (``PMI_FD``) in place of mpi4py: no MPI library, so no
+    MPI's libfabric, in the process (why: :mod:`streamcoll.startup.pmi`).
+    Used where mpi4py's MPI is not loaded already (then it is the way)."""
+    from . import pmi
+
+    def choose(same_host: bool) -> Tuple[str, str]:
+        return addr or _reachable_address(same_host), port or str(_free_port())
+
+    try:
+        conn = pmi.connect(env)
+        assert conn is not None
+        try:
+            a, p = pmi.rendezvous(conn, launch.rank, launch.world_size or 0, host_identity()[2], choose)
+        finally:
+            conn.close()
+    except (ValueError, OSError, pmi.PmiError) as e:
+        raise RendezvousError(
+            f"{launch.describe()}: rank 0's address through hydra's PMI (PMI_FD) failed: {type(e).__name__}: {e}. "
+            f"Set MASTER_ADDR and MASTER_PORT on every rank", [], addr or "", -1,
+            launch.world_size or -1, timed_out=isinstance(e, socket.timeout)) from e
+    how = ("MASTER_ADDR" if addr else "rank 0's address through hydra's PMI") + "; " + (
+        "MASTER_PORT" if port else "a free port of rank 0 through hydra's PMI")
+    return replace(launch, address=a, port=p, how=how)
 
 
 def _rendezvous(launch: Launch, env: Mapping[str, str]) -> Launch:

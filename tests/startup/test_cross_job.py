@@ -71,6 +71,9 @@ g.broadcast([w]).wait()
 res["gloo"] = w.tolist()[:8] + [float(w.sum())]
 if world_first:
     t = torch.ones(4); dist.all_reduce(t); res["world_after"] = t.tolist()
+maps = open("/proc/self/maps").read().split("\n")
+res["libfabric"] = sorted({os.path.realpath(l.split()[-1]) for l in maps if "libfabric.so" in l})
+res["libmpi"] = any("libmpi.so" in l for l in maps)
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(res, f)
 store.add("done", 1)  # the store's host (trainer rank 0) stays until every member wrote
@@ -154,13 +157,12 @@ def test_weights_over_tcp_in_both_start_orders_equal_to_gloo(tmp_path, first):
 
 
 @needs_oneccl
-@pytest.mark.xfail(strict=True, reason="under MPICH's mpiexec the trainer's ranks (world first, CCL_ATL_SHM=0 "
-                   "FI_PROVIDER=tcp) and a python server stay in oneCCL's native init of the 3-rank communicator "
-                   "until its 20 s timeout (exit 86, 'a rank that cannot reach rank 0's bootstrap address'), where "
-                   "the same under torchrun works in 1-2 s: the cause (hydra's PMI variables?) not found yet")
 def test_a_trainer_under_mpiexec_and_a_server(tmp_path):
-    """The trainer under MPICH's mpiexec (mpi4py finds rank 0), the server
-    with python: the same weights as gloo's, one host."""
+    """The trainer under MPICH's mpiexec (rank 0 found through hydra's PMI),
+    the server with python: the same weights as gloo's, one host. Before:
+    mpi4py's MPI_Init mapped the mpich wheel's libfabric (2.5.1) into the
+    trainer, oneCCL ran on it, the server's oneCCL on the system's (1.17),
+    and every member stayed in the native init until its timeout."""
     from launching import venv_why_not
     why = venv_why_not()
     if why:
@@ -168,6 +170,9 @@ def test_a_trainer_under_mpiexec_and_a_server(tmp_path):
     res = _run(tmp_path, "trainer", True, TCP, launcher="mpiexec")
     for r, x in enumerate(res):
         assert "error" not in x and x["weights"] == x["gloo"] and x["hosts"] == [[0, 1, 2]], (r, x)
+    # one libfabric in all three: no MPI library (nor its libfabric) in the trainer's ranks
+    assert all(x["libfabric"] == res[2]["libfabric"] and len(x["libfabric"]) == 1 for x in res), res
+    assert not any(x["libmpi"] for x in res), res
 
 
 @needs_oneccl
