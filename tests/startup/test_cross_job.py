@@ -189,7 +189,7 @@ def test_ranks_on_different_libfabric_versions_never_meet_and_the_report_says_wh
     trainer's ranks run oneCCL on the mpich wheel's libfabric (2.5, on
     LD_LIBRARY_PATH, as mpi4py's MPI_Init mapped it), the server on the
     system's (1.17): the 3-rank init never finishes; at its timeout (5 s
-    here) each member's report names both versions. The same with the
+    here) the report of rank 0 (which waits for the others') names both. The same with the
     server on the wheel's libfabric too: the weights arrive."""
     from launching import VENV
     wheel = VENV / "lib" / "mpich"
@@ -205,9 +205,10 @@ def test_ranks_on_different_libfabric_versions_never_meet_and_the_report_says_wh
     _run(tmp_path, "trainer", True, dict(TCP, JOB_TIMEOUT="5"), trainer_extra={"LD_LIBRARY_PATH": str(wheel)},
          codes=[1, 86])  # the watchdog's exit code (torchrun: 1)
     assert time.monotonic() - t0 < 40
-    logs = (tmp_path / "trainer.out").read_text() + (tmp_path / "server.out").read_text()
+    # rank 0's report (it hosts the store: the others' may come after it is gone) waits for every rank's
+    logs = (tmp_path / "trainer.out").read_text()
     cause = "the ranks run oneCCL on different libfabric versions ("
-    assert logs.count(cause) == 3, logs[-6000:]  # each member's report
+    assert cause in logs, logs[-6000:]
     assert f"rank(s) 0, 1: libfabric 2.5 ({wheel}/libfabric.so.1)" in logs, logs[-6000:]
     assert f"rank(s) 2: libfabric {system} (" in logs, logs[-6000:]
     (tmp_path / "same").mkdir()
