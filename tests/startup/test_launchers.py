@@ -168,7 +168,10 @@ def test_mpiexec_with_a_bad_pmi_fd_names_it(no_mpi4py_bin):
     p = run("mpiexec -n 2 env PMI_FD=x python -c 'import streamcoll; streamcoll.init()'", job_env(no_mpi4py_bin),
             timeout=120)
     assert p.returncode != 0
-    assert p.stderr.count("PMI_FD: expected a file descriptor number, got 'x'") == 2, p.stderr[-4000:]
+    for r in (0, 1):
+        assert f"launcher mpich-hydra: rank {r} of 2" in p.stderr, p.stderr[-4000:]
+    assert p.stderr.count("rank 0's address through hydra's PMI (PMI_FD) failed: ValueError: PMI_FD: expected a "
+                          "file descriptor number, got 'x'. Set MASTER_ADDR") == 2, p.stderr[-4000:]
 
 
 def test_a_world_size_the_launcher_contradicts_fails_on_every_rank(no_mpi4py_bin):
