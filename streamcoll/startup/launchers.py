@@ -315,7 +315,7 @@ def _mpi_rendezvous(launch: Launch, env: Mapping[str, str]) -> Launch:
     addr, port = env.get("MASTER_ADDR") or None, env.get("MASTER_PORT") or None
     if addr and port and launch.world_size is not None:
         return replace(launch, address=addr, port=port, how="MASTER_ADDR, MASTER_PORT")
-    if launch.launcher == "mpich-hydra" and env.get("PMI_FD", "").strip() and "mpi4py.MPI" not in sys.modules:
+    if launch.launcher == "mpich-hydra" and _pmi_wanted(env):
         return _pmi_rendezvous(launch, env, addr, port)
     MPI = _mpi4py()
     if MPI is None:
@@ -329,7 +329,7 @@ def _mpi_rendezvous(launch: Launch, env: Mapping[str, str]) -> Launch:
             f"importable (pip install mpi4py) so that rank 0 broadcasts its address and a free port"
             + (f" ({_MPI4PY_ERROR})" if _MPI4PY_ERROR else "")
             + ("; hydra's PMI (PMI_FD, which MPICH's and Intel MPI's mpiexec set) is not in the environment either"
-               if launch.launcher == "mpich-hydra" else ""),
+               if launch.launcher == "mpich-hydra" and not env.get("PMI_FD", "").strip() else ""),
             [], addr or "", -1, -1 if launch.world_size is None else launch.world_size, timed_out=False)
     comm = MPI.COMM_WORLD
     size, mrank = comm.Get_size(), comm.Get_rank()
@@ -344,6 +344,13 @@ def _mpi_rendezvous(launch: Launch, env: Mapping[str, str]) -> Launch:
     how = ("MASTER_ADDR" if addr else "rank 0's address through mpi4py") + "; " + (
         "MASTER_PORT" if port else "a free port of rank 0 through mpi4py")
     return replace(launch, rank=mrank, world_size=size, address=a, port=p, how=how)
+
+
+def _pmi_wanted(env: Mapping[str, str]) -> bool:
+    """Whether hydra's PMI finds rank 0: ``PMI_FD`` set, and no MPI loaded
+    through mpi4py already (then MPI is the way, and its libfabric is in the
+    process anyway)."""
+    return bool(env.get("PMI_FD", "").strip()) and "mpi4py.MPI" not in sys.modules
 
 
 def _pmi_rendezvous(launch: Launch, env: Mapping[str, str], addr: Optional[str], port: Optional[str]) -> Launch:
