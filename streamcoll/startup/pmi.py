@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 __all__ = ["PmiError", "Pmi", "connect", "rendezvous"]
 
@@ -106,7 +106,8 @@ def _token(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:20]
 
 
-def rendezvous(pmi: Pmi, rank: int, size: int, network: str, choose) -> Tuple[str, str]:
+def rendezvous(pmi: Pmi, rank: int, size: int, network: str,
+               choose: Callable[[bool], Tuple[str, str]]) -> Tuple[str, str]:
     """Rank 0's (address, port) on every rank: each rank puts its
     ``network`` (boot id and network namespace), rank 0 reads them all,
     calls ``choose(same_network)`` for (address, port) and puts it; two
