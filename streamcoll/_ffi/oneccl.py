@@ -44,7 +44,7 @@ LIBFABRIC = "libfabric.so.1"
 # GPU one, which needs SYCL).
 PLUGINS = ("libccl_legacy_cpu.so", "libccl_legacy.so")
 
-__all__ = ["ONECCL", "binding"]
+__all__ = ["ONECCL", "binding", "mapped_libfabric"]
 
 
 class _Oneccl(Binding):
@@ -160,6 +160,29 @@ def _libfabric_problem(folder: Path) -> str:
     except OSError as e:
         return (f"{LIBFABRIC} (oneCCL's transport) not found ({e}): run {INSTALL_COMMAND} "
                 "(it adds a libfabric from the mpich wheel), or: sudo apt-get install -y libfabric1")
+
+
+def mapped_libfabric() -> str:
+    """The libfabric mapped in this process (oneCCL's transport once its
+    init has begun) as ``"MAJOR.MINOR PATH"`` (the version from its
+    ``fi_version()``), ``''`` where none is. oneCCL opens ``libfabric.so.1``
+    by name, so it runs on whichever is mapped first: an MPI's own (mpi4py's
+    ``MPI_Init`` maps the ``mpich`` wheel's 2.5) or the system's."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = [ln.split(maxsplit=5)[-1].strip() for ln in f if "/libfabric.so" in ln and ln.count(" ") >= 5]
+    except OSError:
+        return ""
+    if not paths:
+        return ""
+    import ctypes
+    try:
+        fn = ctypes.CDLL(paths[0]).fi_version  # mapped already: the same handle, nothing loaded
+        fn.restype = ctypes.c_uint32
+        n = int(fn())
+        return f"{n >> 16}.{n & 0xFFFF} {paths[0]}"
+    except (OSError, AttributeError):
+        return f"? {paths[0]}"
 
 
 binding = ONECCL = _Oneccl()

@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
@@ -290,7 +291,7 @@ def new_communicator(
             handle = b.init_rank(world_size, bytes(uid), rank, blocking=False, timeout=t)
     else:  # a blocking init whose peers never come must not hang silently
         what = f"init of communicator {cname!r} (rank {rank} of {world_size}, {b.name} on {device})"
-        with watchdog.guard(what, t, lambda: _init_report(pstore, topo, advertised)):
+        with watchdog.guard(what, t, lambda: _init_report(pstore, topo, advertised, b.name)):
             with _native_entry(b.name, settings):
                 handle = b.init_rank(world_size, bytes(uid), rank, what=what)  # named while it waits its turn
     # equal on every rank, unique on the store's server: the unique id names no run (oneCCL's is
@@ -414,10 +415,59 @@ def _settings(backend: str, topo: "topology.Topology") -> Dict[str, str]:
     return settings
 
 
-def _init_report(pstore: Any, topo: "topology.Topology", advertised: Optional[tuple]) -> str:
+FABRIC_WAIT = 2.0
+"""Seconds a timed-out oneCCL init's report waits for the other ranks'
+libfabric (each publishes its own when its own watchdog fires)."""
+
+
+def _fabrics(pstore: Any, topo: "topology.Topology", started: List[int]) -> Dict[int, str]:
+    """Each rank's libfabric (:func:`mapped_libfabric`: oneCCL's init has
+    begun, so it is mapped): this rank's published, the others' read as
+    they publish theirs, for at most :data:`FABRIC_WAIT` s."""
+    from .._ffi.oneccl import mapped_libfabric
+    mine = mapped_libfabric()
+    got: Dict[int, str] = {}
+    try:
+        pstore.set(f"fabric/{topo.rank}", mine or "?")
+        end = time.monotonic() + FABRIC_WAIT
+        while True:
+            for r in started:
+                if r not in got and pstore.check([f"fabric/{r}"]):
+                    got[r] = pstore.get(f"fabric/{r}").decode()
+            if len(got) == len(started) or time.monotonic() > end:
+                return got
+            time.sleep(0.05)
+    except Exception:
+        return got
+
+
+def _fabric_cause(topo: "topology.Topology", fabrics: Dict[int, str]) -> str:
+    """Why a oneCCL init on one host cannot finish where its ranks run
+    different libfabric versions ('' where they do not)."""
+    for host in topo.layout.hosts:
+        kinds: Dict[str, List[int]] = {}
+        for r in host.ranks:
+            v = fabrics.get(r, "?")
+            if not v.startswith("?"):
+                kinds.setdefault(v.split(" ", 1)[0], []).append(r)
+        if len(kinds) > 1:
+            parts = "; ".join(f"rank(s) {', '.join(map(str, rs))}: libfabric {v} "
+                              f"({fabrics[rs[0]].split(' ', 1)[1]})" for v, rs in sorted(kinds.items()))
+            return ("\n  Likely cause: the ranks run oneCCL on different libfabric versions (" + parts + "): "
+                    "libfabric's tcp provider of one does not speak the other's (measured: 1.17 and 2.5 never "
+                    "finish oneCCL's init). oneCCL opens libfabric.so.1 by name and takes the one mapped first: "
+                    "an MPI's own where MPI was initialised before (mpi4py), else LD_LIBRARY_PATH's, else the "
+                    "system's. Make every process load the same one (LD_LIBRARY_PATH=<its folder> on the others)")
+    return ""
+
+
+def _init_report(pstore: Any, topo: "topology.Topology", advertised: Optional[tuple], backend: str = "") -> str:
     """For the watchdog when a native init outlives its timeout: who never
-    finished init, and the address, port and interface each rank used."""
+    finished init, and the address, port and interface each rank used (and
+    with oneCCL each rank's libfabric)."""
     lines, stuck, absent = [], [], []
+    begun = [r for r in range(topo.world_size) if _check(pstore, f"init/{r}")]
+    fabrics = _fabrics(pstore, topo, begun) if backend == "oneccl" else {}
     for r in range(topo.world_size):
         try:
             started = pstore.check([f"init/{r}"])
@@ -430,6 +480,8 @@ def _init_report(pstore: Any, topo: "topology.Topology", advertised: Optional[tu
         elif not ready:
             stuck.append(r)
         env_used = " ".join(f"{k}={v}" for k, v in used.items() if v is not None)
+        if r in fabrics:
+            env_used += f"{' ' if env_used else ''}libfabric {fabrics[r]}"
         lines.append(f"    {topo.describe_rank(r)}; {'ready' if ready else 'not ready'}"
                      + (f"; {env_used}" if env_used else ""))
     head = []
@@ -440,9 +492,16 @@ def _init_report(pstore: Any, topo: "topology.Topology", advertised: Optional[tu
     if advertised:
         head.append(f"rank 0's bootstrap listens at {advertised[0]}:{advertised[1]}")
     head.append(topo.summary())
-    return "; ".join(head) + "\n  Each rank:\n" + "\n".join(lines) + (
+    return "; ".join(head) + "\n  Each rank:\n" + "\n".join(lines) + _fabric_cause(topo, fabrics) + (
         "\n  Likely cause: a rank that cannot reach rank 0's bootstrap address (a firewall, or an interface "
         "variable naming one that does not connect the hosts), or a rank that died")
+
+
+def _check(pstore: Any, key: str) -> bool:
+    try:
+        return bool(pstore.check([key]))
+    except Exception:
+        return False
 
 
 def init(

@@ -11,8 +11,9 @@ so that everything after it reads one contract.
 
 The order: torchrun (``TORCHELASTIC_RUN_ID``); explicit ``RANK`` and
 ``WORLD_SIZE``; SLURM, only for a task ``srun`` started (``SLURM_STEP_ID``);
-the MPI launchers (hydra, Open MPI, PMIx; the address through mpi4py where
-MASTER_ADDR/MASTER_PORT are unset). Never a silent 1-rank world: where a
+the MPI launchers (hydra, Open MPI, PMIx; the address, where
+MASTER_ADDR/MASTER_PORT are unset, through hydra's PMI, else mpi4py: no MPI
+library loaded for it under hydra, see :mod:`streamcoll.startup.pmi`). Never a silent 1-rank world: where a
 launcher says N ranks, every rank either joins a rendezvous of N or raises
 with what was detected. Launcher variables are parsed when used (a malformed
 value names its variable); MASTER_PORT is never parsed here.
@@ -308,11 +309,14 @@ def _free_port() -> int:
 
 
 def _mpi_rendezvous(launch: Launch, env: Mapping[str, str]) -> Launch:
-    """MASTER_ADDR/MASTER_PORT where set; else mpi4py (collective over the
-    MPI world); else a RendezvousError naming both ways."""
+    """MASTER_ADDR/MASTER_PORT where set; else, under hydra, its PMI
+    (``PMI_FD``) unless mpi4py's MPI is loaded already; else mpi4py
+    (collective over the MPI world); else a RendezvousError naming the ways."""
     addr, port = env.get("MASTER_ADDR") or None, env.get("MASTER_PORT") or None
     if addr and port and launch.world_size is not None:
         return replace(launch, address=addr, port=port, how="MASTER_ADDR, MASTER_PORT")
+    if launch.launcher == "mpich-hydra" and _pmi_wanted(env):
+        return _pmi_rendezvous(launch, env, addr, port)
     MPI = _mpi4py()
     if MPI is None:
         if addr and launch.world_size is not None:
@@ -323,7 +327,9 @@ def _mpi_rendezvous(launch: Launch, env: Mapping[str, str]) -> Launch:
             f"{launch.describe()}: no way to find {missing}. Set MASTER_ADDR (rank 0's host, reachable from every "
             f"rank) and MASTER_PORT (and WORLD_SIZE where the launcher sets no size) on every rank, or make mpi4py "
             f"importable (pip install mpi4py) so that rank 0 broadcasts its address and a free port"
-            + (f" ({_MPI4PY_ERROR})" if _MPI4PY_ERROR else ""),
+            + (f" ({_MPI4PY_ERROR})" if _MPI4PY_ERROR else "")
+            + ("; hydra's PMI (PMI_FD, which MPICH's and Intel MPI's mpiexec set) is not in the environment either"
+               if launch.launcher == "mpich-hydra" and not env.get("PMI_FD", "").strip() else ""),
             [], addr or "", -1, -1 if launch.world_size is None else launch.world_size, timed_out=False)
     comm = MPI.COMM_WORLD
     size, mrank = comm.Get_size(), comm.Get_rank()
@@ -338,6 +344,39 @@ def _mpi_rendezvous(launch: Launch, env: Mapping[str, str]) -> Launch:
     how = ("MASTER_ADDR" if addr else "rank 0's address through mpi4py") + "; " + (
         "MASTER_PORT" if port else "a free port of rank 0 through mpi4py")
     return replace(launch, rank=mrank, world_size=size, address=a, port=p, how=how)
+
+
+def _pmi_wanted(env: Mapping[str, str]) -> bool:
+    """Whether hydra's PMI finds rank 0: ``PMI_FD`` set, and no MPI loaded
+    through mpi4py already (then MPI is the way, and its libfabric is in the
+    process anyway)."""
+    return bool(env.get("PMI_FD", "").strip()) and "mpi4py.MPI" not in sys.modules
+
+
+def _pmi_rendezvous(launch: Launch, env: Mapping[str, str], addr: Optional[str], port: Optional[str]) -> Launch:
+    """hydra's PMI (``PMI_FD``) in place of mpi4py: no MPI library, so no
+    MPI's libfabric, in the process (why: :mod:`streamcoll.startup.pmi`).
+    Used where mpi4py's MPI is not loaded already (then it is the way)."""
+    from . import pmi
+
+    def choose(same_host: bool) -> Tuple[str, str]:
+        return addr or _reachable_address(same_host), port or str(_free_port())
+
+    try:
+        conn = pmi.connect(env)
+        assert conn is not None
+        try:
+            a, p = pmi.rendezvous(conn, launch.rank, launch.world_size or 0, host_identity()[2], choose)
+        finally:
+            conn.close()
+    except (ValueError, OSError, pmi.PmiError) as e:
+        raise RendezvousError(
+            f"{launch.describe()}: rank 0's address through hydra's PMI (PMI_FD) failed: {type(e).__name__}: {e}. "
+            f"Set MASTER_ADDR and MASTER_PORT on every rank", [], addr or "", -1,
+            launch.world_size or -1, timed_out=isinstance(e, socket.timeout)) from e
+    how = ("MASTER_ADDR" if addr else "rank 0's address through hydra's PMI") + "; " + (
+        "MASTER_PORT" if port else "a free port of rank 0 through hydra's PMI")
+    return replace(launch, address=a, port=p, how=how)
 
 
 def _rendezvous(launch: Launch, env: Mapping[str, str]) -> Launch:

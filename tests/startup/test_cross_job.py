@@ -27,7 +27,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 
@@ -66,7 +66,8 @@ def weights():
 t0 = time.monotonic()
 try:
     c = streamcoll.new_communicator(backend="oneccl", device="cpu", store=f"127.0.0.1:{port}" if address else store,
-                                    rank=rank, world_size=3, name="weights", timeout=20)
+                                    rank=rank, world_size=3, name="weights",
+                                    timeout=float(os.environ.get("JOB_TIMEOUT", "20")))
     w = weights()
     c.broadcast(w, src=0)
     res["weights"] = w.tolist()[:8] + [float(w.sum())]
@@ -83,6 +84,9 @@ g.broadcast([w]).wait()
 res["gloo"] = w.tolist()[:8] + [float(w.sum())]
 if world_first:
     t = torch.ones(4); dist.all_reduce(t); res["world_after"] = t.tolist()
+maps = open("/proc/self/maps").read().split("\n")
+res["libfabric"] = sorted({os.path.realpath(l.split()[-1]) for l in maps if "libfabric.so" in l})
+res["libmpi"] = any("libmpi.so" in l for l in maps)
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(res, f)
 store.add("done", 1)  # the store's host (trainer rank 0) stays until every member wrote
@@ -95,15 +99,17 @@ TCP = {"CCL_ATL_SHM": "0", "FI_PROVIDER": "tcp"}
 
 
 def _run(tmp_path, first: str, world_first: bool, extra: Dict[str, str], delay: float = 2.0,
-         launcher: str = "torchrun", store: str = "object", slurm_conf: str = "", after_ready: bool = False
-         ) -> List[dict]:
+         launcher: str = "torchrun", store: str = "object", slurm_conf: str = "", after_ready: bool = False,
+         trainer_extra: Optional[Dict[str, str]] = None, codes: Optional[List[int]] = None) -> List[dict]:
     """The trainer (2 ranks under ``launcher``: torchrun, mpiexec from the
     launchers venv, or srun on the one-node SLURM whose ``slurm_conf`` is
     given) and the server (python), ``first`` started ``delay`` s before the
     other (``after_ready``: ``delay`` s after the first is ready to meet,
     its world made: srun's start takes seconds), meeting through ``store``:
     a TCPStore ``object`` the trainer's rank 0 hosts, or an ``address``
-    (``store="127.0.0.1:port"``); every member's result."""
+    (``store="127.0.0.1:port"``); ``trainer_extra``: the trainer's
+    environment only. Every member's result (``codes``: the exit codes
+    expected instead, the trainer's launcher first; then no results)."""
     job = tmp_path / "job.py"
     job.write_text(_JOB)
     port, master = free_port(), free_port()
@@ -127,6 +133,7 @@ def _run(tmp_path, first: str, world_first: bool, extra: Dict[str, str], delay: 
         te = e
         trainer = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
                    "127.0.0.1", "--master-port", str(master)] + args
+    te = {**te, **(trainer_extra or {})}
     server = [sys.executable, str(job), "server", str(port), str(tmp_path), "0", store]
     order = [(trainer, te, "trainer.out"), (server, e, "server.out")]
     if first == "server":
@@ -142,6 +149,10 @@ def _run(tmp_path, first: str, world_first: bool, extra: Dict[str, str], delay: 
         ps.start(order[1][0], order[1][1], order[1][2])
         ps.wait_all(90)
         logs = "\n".join(f"--- {n}\n" + (tmp_path / n).read_text()[-3000:] for n in ("trainer.out", "server.out"))
+        if codes is not None:
+            got = [ps.procs[i].returncode for i in ((0, 1) if first == "trainer" else (1, 0))]
+            assert got == codes, (got, logs)
+            return []
         out = []
         for r in range(3):
             p = tmp_path / f"rank{r}.json"
@@ -184,13 +195,12 @@ def test_weights_over_tcp_in_both_start_orders_equal_to_gloo(tmp_path, first):
 
 
 @needs_oneccl
-@pytest.mark.xfail(strict=True, reason="under MPICH's mpiexec the trainer's ranks (world first, CCL_ATL_SHM=0 "
-                   "FI_PROVIDER=tcp) and a python server stay in oneCCL's native init of the 3-rank communicator "
-                   "until its 20 s timeout (exit 86, 'a rank that cannot reach rank 0's bootstrap address'), where "
-                   "the same under torchrun works in 1-2 s: the cause (hydra's PMI variables?) not found yet")
 def test_a_trainer_under_mpiexec_and_a_server(tmp_path):
-    """The trainer under MPICH's mpiexec (mpi4py finds rank 0), the server
-    with python: the same weights as gloo's, one host."""
+    """The trainer under MPICH's mpiexec (rank 0 found through hydra's PMI),
+    the server with python: the same weights as gloo's, one host. Before:
+    mpi4py's MPI_Init mapped the mpich wheel's libfabric (2.5.1) into the
+    trainer, oneCCL ran on it, the server's oneCCL on the system's (1.17),
+    and every member stayed in the native init until its timeout."""
     from launching import venv_why_not
     why = venv_why_not()
     if why:
@@ -198,6 +208,43 @@ def test_a_trainer_under_mpiexec_and_a_server(tmp_path):
     res = _run(tmp_path, "trainer", True, TCP, launcher="mpiexec")
     for r, x in enumerate(res):
         assert "error" not in x and x["weights"] == x["gloo"] and x["hosts"] == [[0, 1, 2]], (r, x)
+    # one libfabric in all three: no MPI library (nor its libfabric) in the trainer's ranks
+    assert all(x["libfabric"] == res[2]["libfabric"] and len(x["libfabric"]) == 1 for x in res), res
+    assert not any(x["libmpi"] for x in res), res
+
+
+@needs_oneccl
+def test_ranks_on_different_libfabric_versions_never_meet_and_the_report_says_why(tmp_path):
+    """The cause the mpiexec trainer hit, pinned under torchrun: the
+    trainer's ranks run oneCCL on the mpich wheel's libfabric (2.5, on
+    LD_LIBRARY_PATH, as mpi4py's MPI_Init mapped it), the server on the
+    system's (1.17): the 3-rank init never finishes; at its timeout (5 s
+    here) the report of rank 0 (which waits for the others') names both. The same with the
+    server on the wheel's libfabric too: the weights arrive."""
+    from launching import VENV
+    wheel = VENV / "lib" / "mpich"
+    if not (wheel / "libfabric.so.1").exists():
+        pytest.skip(f"no mpich wheel libfabric at {wheel} (bash scripts/setup_launchers.sh)")
+    from streamcoll._ffi.oneccl import mapped_libfabric
+    import ctypes
+    ctypes.CDLL("libfabric.so.1")  # the system's, as a plain process loads it (this test process is one)
+    system = mapped_libfabric().split(" ", 1)[0]
+    if system == "2.5" or not system:
+        pytest.skip(f"the system's libfabric is {system or 'absent'}: no second version to meet")
+    t0 = time.monotonic()
+    _run(tmp_path, "trainer", True, dict(TCP, JOB_TIMEOUT="5"), trainer_extra={"LD_LIBRARY_PATH": str(wheel)},
+         codes=[1, 86])  # the watchdog's exit code (torchrun: 1)
+    assert time.monotonic() - t0 < 40
+    # rank 0's report (it hosts the store: the others' may come after it is gone) waits for every rank's
+    logs = (tmp_path / "trainer.out").read_text()
+    cause = "the ranks run oneCCL on different libfabric versions ("
+    assert cause in logs, logs[-6000:]
+    assert f"rank(s) 0, 1: libfabric 2.5 ({wheel}/libfabric.so.1)" in logs, logs[-6000:]
+    assert f"rank(s) 2: libfabric {system} (" in logs, logs[-6000:]
+    (tmp_path / "same").mkdir()
+    both = _run(tmp_path / "same", "trainer", True, dict(TCP, LD_LIBRARY_PATH=str(wheel)))
+    for r, x in enumerate(both):
+        assert "error" not in x and x["weights"] == x["gloo"], (r, x)
 
 
 @pytest.fixture(scope="module")

@@ -177,6 +177,7 @@ def test_a_store_that_is_neither_a_store_nor_an_address_is_a_value_error_naming_
 # ------------------------------------------------------------- mpi4py's finalize under mpiexec
 _MPI_USER = r"""
 import atexit, json, sys
+from mpi4py import MPI  # a program that uses MPI loads it before streamcoll (docs/failures.md, "one libfabric")
 
 
 def goodbye():  # the program's own exit handler, registered first: MPI is still the program's at exit
@@ -199,7 +200,10 @@ def test_a_programs_own_exit_handler_may_still_use_mpi_under_mpiexec(tmp_path):
     """mpi4py finalises MPI after every atexit handler (Py_AtExit): an exit
     handler the program registered before ``streamcoll.init()`` may use
     MPI (measured: with MPI4PY_RC_FINALIZE=true, streamcoll's deferral off,
-    both ranks print GOODBYE BARRIER and mpiexec exits 0)."""
+    both ranks print GOODBYE BARRIER and mpiexec exits 0). The program
+    imports mpi4py first: streamcoll loads no MPI under hydra (its PMI finds
+    rank 0), and MPI imported after oneCCL loaded the system's libfabric
+    does not load (the mpich wheel's libmpi needs FABRIC_1.9)."""
     from launching import VENV, job_env, venv_why_not
     why = venv_why_not()
     if why:

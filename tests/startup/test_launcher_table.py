@@ -24,8 +24,9 @@ TORCHRUN = {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_R
 
 @pytest.fixture(autouse=True)
 def _no_mpi4py(monkeypatch):
-    """Pure logic: the mpi4py way is tested with the real mpiexec."""
+    """Pure logic: the mpi4py and hydra's PMI ways are tested with the real mpiexec."""
     monkeypatch.setattr(launchers, "_mpi4py", lambda: None)
+    monkeypatch.setattr(launchers, "_pmi_wanted", lambda env: False)
 
 
 @pytest.mark.parametrize("env, want", [

@@ -120,8 +120,15 @@ def test_srun(slurm, venv):
 
 # ------------------------------------------------------------------ mpiexec
 def test_mpiexec_with_mpi4py(venv):
-    # No MASTER_ADDR: rank 0 broadcasts its address and a free port through mpi4py.
-    compare_with_gloo(command(r"^mpiexec -n 2 "), job_env(venv / "bin"), "mpiexec -n 2 (mpi4py)")
+    # No MASTER_ADDR: rank 0 broadcasts its address and a free port through hydra's PMI (mpi4py not loaded).
+    compare_with_gloo(command(r"^mpiexec -n 2 "), job_env(venv / "bin"), "mpiexec -n 2 (hydra's PMI)")
+
+
+def test_mpiexec_with_mpi4py_loaded_first(venv):
+    # A program that loaded mpi4py's MPI before streamcoll: rank 0's address goes through MPI.
+    cmd = command(r"^mpiexec -n 2 ").replace("python ", "python -c 'import mpi4py.MPI, runpy, sys; "
+                                             "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name=\"__main__\")' ", 1)
+    compare_with_gloo(cmd, job_env(venv / "bin"), "mpiexec -n 2 (mpi4py loaded first)")
 
 
 @pytest.fixture(scope="module")
@@ -141,12 +148,30 @@ def test_mpiexec_without_mpi4py_given_master_addr(no_mpi4py_bin):
                       "MASTER_ADDR=... mpiexec -n 2 (no mpi4py)")
 
 
+def test_mpiexec_without_mpi4py_through_hydras_pmi(no_mpi4py_bin):
+    # No MASTER_ADDR and no mpi4py: hydra's PMI (PMI_FD) gives rank 0's address and a free port.
+    compare_with_gloo(command(r"^mpiexec -n 2 "), job_env(no_mpi4py_bin), "mpiexec -n 2 (hydra's PMI, no mpi4py)")
+
+
 def test_mpiexec_without_a_way_to_rank_0_fails_on_every_rank(no_mpi4py_bin):
-    p = run("mpiexec -n 2 python -c 'import streamcoll; streamcoll.init()'", job_env(no_mpi4py_bin), timeout=120)
+    # hydra's PMI_FD removed from the ranks' environment: no PMI, no mpi4py, no MASTER_ADDR.
+    p = run("mpiexec -n 2 env -u PMI_FD python -c 'import streamcoll; streamcoll.init()'", job_env(no_mpi4py_bin),
+            timeout=120)
     assert p.returncode != 0
     for r in (0, 1):
         assert f"launcher mpich-hydra: rank {r} of 2" in p.stderr, p.stderr[-4000:]
     assert p.stderr.count("Set MASTER_ADDR") == 2 and p.stderr.count("mpi4py") >= 2, p.stderr[-4000:]
+    assert p.stderr.count("PMI_FD") >= 2, p.stderr[-4000:]
+
+
+def test_mpiexec_with_a_bad_pmi_fd_names_it(no_mpi4py_bin):
+    p = run("mpiexec -n 2 env PMI_FD=x python -c 'import streamcoll; streamcoll.init()'", job_env(no_mpi4py_bin),
+            timeout=120)
+    assert p.returncode != 0
+    for r in (0, 1):
+        assert f"launcher mpich-hydra: rank {r} of 2" in p.stderr, p.stderr[-4000:]
+    assert p.stderr.count("rank 0's address through hydra's PMI (PMI_FD) failed: ValueError: PMI_FD: expected a "
+                          "file descriptor number, got 'x'. Set MASTER_ADDR") == 2, p.stderr[-4000:]
 
 
 def test_a_world_size_the_launcher_contradicts_fails_on_every_rank(no_mpi4py_bin):
