@@ -28,7 +28,7 @@ import functools
 import operator
 import threading
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -548,24 +548,18 @@ class CpuRuntime(Runtime):
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._mutex:
-            return self._wait_while(lambda: not (item.done or item.exc is not None), deadline)
-
-    def _wait_while(self, busy: Callable[[], bool], end: Optional[float]) -> bool:
-        """Wait on the completion condition (the mutex held) while
-        ``busy()``, until the monotonic time ``end`` (None: no end); False
-        where ``end`` came first."""
-        self._waiters += 1
-        try:
-            while busy():
-                if end is None:
-                    self._done_cv.wait()
-                else:
-                    left = end - time.monotonic()
-                    if left <= 0:
-                        return False
-                    self._done_cv.wait(left)
-        finally:
-            self._waiters -= 1
+            self._waiters += 1
+            try:
+                while not (item.done or item.exc is not None):
+                    if deadline is None:
+                        self._done_cv.wait()
+                    else:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            return False
+                        self._done_cv.wait(left)
+            finally:
+                self._waiters -= 1
         return True
 
     def drain(self, timeout: Optional[float] = None) -> bool:
@@ -581,7 +575,19 @@ class CpuRuntime(Runtime):
             if self._queue and self.running is None:
                 self._hurry = True
                 self._work_cv.notify()
-            return self._wait_while(lambda: bool(self._pending) and not self._failed, end)
+            self._waiters += 1
+            try:
+                while self._pending and not self._failed:
+                    if end is None:
+                        self._done_cv.wait()
+                    else:
+                        left = end - time.monotonic()
+                        if left <= 0:
+                            return False
+                        self._done_cv.wait(left)
+            finally:
+                self._waiters -= 1
+        return True
 
     def completion_event(self, lane: Lane, token: _Item) -> CpuEvent:
         ev = lane.pool.pop() if lane.pool else None
