@@ -1,0 +1,116 @@
+"""Adversarial review of hydra's PMI client (streamcoll/startup/pmi.py and
+launchers._pmi_rendezvous): real ``mpiexec`` (MPICH 5.0.2's hydra from the
+launchers venv), real ranks, each run bounded by a timeout; mpiexec runs in
+its own session and the whole group is killed at the end."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, Tuple
+
+import pytest
+
+from conftest import ROOT, needs_oneccl
+from launching import VENV, job_env, venv_why_not
+
+pytestmark = [needs_oneccl, pytest.mark.launchers, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def venv_bin():
+    why = venv_why_not()
+    if why:
+        pytest.skip(why)
+    return VENV / "bin"
+
+
+def mpiexec(venv_bin, n: int, script: str, *args: str, timeout: float = 120,
+            env: Dict[str, str] = None) -> Tuple[int, str, float]:
+    """``mpiexec -n n python -c script args`` (the venv's python: mpi4py
+    importable but not imported, so streamcoll takes hydra's PMI); its
+    exit status, its output, seconds taken. Killed as a group at the end."""
+    e = job_env(venv_bin, **(env or {}))
+    t0 = time.monotonic()
+    p = subprocess.Popen([str(venv_bin / "mpiexec"), "-n", str(n), str(venv_bin / "python"), "-c", script, *args],
+                         cwd=str(ROOT), env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        return -999, out, time.monotonic() - t0
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return p.returncode, out, time.monotonic() - t0
+
+
+_EXITS_APART = r"""
+import os, sys, time, torch, streamcoll
+c = streamcoll.init(timeout=60)
+t = torch.ones(1); c.all_reduce(t)
+time.sleep(1.5 * c.rank)   # rank 0 ends first, the others still work (a checkpoint's write)
+print(f"rank {c.rank} done {t.item()}", flush=True)
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="no PMI finalize: hydra SIGKILLs the job when the first rank exits")
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_rank_that_ends_first_does_not_kill_the_others(venv_bin, n):
+    # Without PMI's finalize hydra takes a process's exit after PMI init as an
+    # abort: it SIGKILLs the rest of the job (measured: 1 of 2 and 1 of 4
+    # ranks printed, mpiexec exit 0 at 2 ranks and 9 at 4).
+    rc, out, _ = mpiexec(venv_bin, n, _EXITS_APART)
+    done = sorted(int(line.split()[1]) for line in out.splitlines() if line.startswith("rank ") and " done " in line)
+    assert done == list(range(n)) and rc == 0, (rc, out[-3000:])
+
+
+_ADOPT_THEN_MPI = r"""
+import streamcoll.launchers
+streamcoll.launchers.adopt()   # hydra's PMI: rank 0's address and a port
+from mpi4py import MPI         # then the program's own MPI, on the same PMI_FD
+print(f"rank {MPI.COMM_WORLD.Get_rank()} mpi {MPI.COMM_WORLD.allreduce(1)}", flush=True)
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="the PMI socket's timeout left PMI_FD O_NONBLOCK: MPICH's PMI_Init got EAGAIN")
+def test_mpi_initialises_after_the_pmi_rendezvous(venv_bin):
+    # The PMI client's socket timeout set O_NONBLOCK on the file description
+    # that its dup shares with PMI_FD: MPICH's PMI_Init read EAGAIN and
+    # aborted ("PMI_Init returned -1"), although pmi.py says MPI_Init after
+    # it works.
+    rc, out, _ = mpiexec(venv_bin, 2, _ADOPT_THEN_MPI)
+    assert rc == 0 and out.count(" mpi 2") == 2, (rc, out[-3000:])
+
+
+_LATE = r"""
+import os, sys, time
+r = int(os.environ["PMI_RANK"])
+if r == 1:
+    time.sleep(float(sys.argv[1]))
+import torch, streamcoll
+t0 = time.monotonic()
+try:
+    streamcoll.init(timeout=float(sys.argv[2]))
+    print(f"rank {r} init ok", flush=True)
+except Exception as e:
+    print(f"rank {r} failed after {time.monotonic() - t0:.1f}s: {type(e).__name__}: {str(e)[:400]}", flush=True)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="PMI's waits use a fixed 300 s, not init's timeout")
+def test_init_timeout_bounds_the_pmi_rendezvous(venv_bin):
+    # rank 1 starts 60 s late; init(timeout=8) on rank 0 should end near 8 s
+    # naming the rendezvous (as the store rendezvous does under torchrun), not
+    # wait for PMI's fixed 300 s.
+    rc, out, took = mpiexec(venv_bin, 2, _LATE, "60", "8", timeout=120)
+    line = next((x for x in out.splitlines() if x.startswith("rank 0 failed after ")), "")
+    assert line, (rc, took, out[-3000:])
+    assert float(line.split()[3].rstrip("s")) < 20 and "PMI" in line, line
