@@ -367,8 +367,10 @@ def _pmi_rendezvous(launch: Launch, env: Mapping[str, str], addr: Optional[str],
         assert conn is not None
         try:
             a, p = pmi.rendezvous(conn, launch.rank, launch.world_size or 0, host_identity()[2], choose)
-        finally:
+        except BaseException:
             conn.close()
+            raise
+        pmi.finalize_at_exit(conn)  # else hydra takes this process's exit for an abort and kills the job
     except (ValueError, OSError, pmi.PmiError) as e:
         raise RendezvousError(
             f"{launch.describe()}: rank 0's address through hydra's PMI (PMI_FD) failed: {type(e).__name__}: {e}. "

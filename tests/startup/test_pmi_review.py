@@ -60,7 +60,6 @@ print(f"rank {c.rank} done {t.item()}", flush=True)
 """
 
 
-@pytest.mark.xfail(strict=True, reason="no PMI finalize: hydra SIGKILLs the job when the first rank exits")
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_rank_that_ends_first_does_not_kill_the_others(venv_bin, n):
     # Without PMI's finalize hydra takes a process's exit after PMI init as an
@@ -79,7 +78,6 @@ print(f"rank {MPI.COMM_WORLD.Get_rank()} mpi {MPI.COMM_WORLD.allreduce(1)}", flu
 """
 
 
-@pytest.mark.xfail(strict=True, reason="the PMI socket's timeout left PMI_FD O_NONBLOCK: MPICH's PMI_Init got EAGAIN")
 def test_mpi_initialises_after_the_pmi_rendezvous(venv_bin):
     # The PMI client's socket timeout set O_NONBLOCK on the file description
     # that its dup shares with PMI_FD: MPICH's PMI_Init read EAGAIN and
