@@ -196,7 +196,7 @@ def new_communicator(
         raise ValueError(f"store: expected a torch.distributed Store or an address 'host:port', got "
                          f"{type(store).__name__} {store!r}"[:300])
     if store is None or rank is None or world_size is None:  # srun, mpiexec: torchrun's variables from theirs
-        launchers.adopt(rendezvous=store is None)
+        launchers.adopt(rendezvous=store is None, timeout=t)
     if rank is None:
         rank = read_int("RANK", 0)
     if world_size is None:

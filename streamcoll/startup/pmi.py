@@ -100,7 +100,7 @@ class Pmi:
         self.command("cmd=barrier_in", "barrier_out")
 
 
-def connect(env: Mapping[str, str]) -> Optional[Pmi]:
+def connect(env: Mapping[str, str], timeout: float = TIMEOUT) -> Optional[Pmi]:
     """The PMI connection ``PMI_FD`` names (None: unset); a malformed value
     is a ValueError naming it."""
     raw = env.get("PMI_FD", "").strip()
@@ -111,7 +111,7 @@ def connect(env: Mapping[str, str]) -> Optional[Pmi]:
     except ValueError:
         raise ValueError(f"PMI_FD: expected a file descriptor number, got {raw!r}") from None
     try:
-        return Pmi(fd)
+        return Pmi(fd, timeout)
     except OSError as e:
         raise ValueError(f"PMI_FD={raw}: not an open socket ({e})") from None
 

@@ -103,12 +103,12 @@ except Exception as e:
 """
 
 
-@pytest.mark.xfail(strict=True, reason="PMI's waits use a fixed 300 s, not init's timeout")
 def test_init_timeout_bounds_the_pmi_rendezvous(venv_bin):
     # rank 1 starts 60 s late; init(timeout=8) on rank 0 should end near 8 s
     # naming the rendezvous (as the store rendezvous does under torchrun), not
     # wait for PMI's fixed 300 s.
     rc, out, took = mpiexec(venv_bin, 2, _LATE, "60", "8", timeout=120)
+    assert took < 45, (rc, took, out[-3000:])  # the late rank ends with the job
     line = next((x for x in out.splitlines() if x.startswith("rank 0 failed after ")), "")
     assert line, (rc, took, out[-3000:])
-    assert float(line.split()[3].rstrip("s")) < 20 and "PMI" in line, line
+    assert float(line.split()[4].rstrip("s:")) < 20 and "PMI" in line, line
