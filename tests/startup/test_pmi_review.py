@@ -112,3 +112,83 @@ def test_init_timeout_bounds_the_pmi_rendezvous(venv_bin):
     line = next((x for x in out.splitlines() if x.startswith("rank 0 failed after ")), "")
     assert line, (rc, took, out[-3000:])
     assert float(line.split()[4].rstrip("s:")) < 20 and "PMI" in line, line
+
+
+_FAKE_FD = r"""
+import os, socket, sys, time, subprocess
+kind = sys.argv[1]
+a, b = socket.socketpair()
+fd = a.fileno()
+if kind == "pipe":
+    fd = os.pipe()[0]
+elif kind == "closed":
+    fd = 1000
+elif kind == "garbage":
+    b.sendall(b"hello world\n")
+elif kind == "eof":
+    b.close()
+if kind != "closed":
+    os.set_inheritable(fd, True)
+env = dict(os.environ, PMI_FD=str(fd), PMI_RANK="0", PMI_SIZE="2")
+t0 = time.monotonic()
+p = subprocess.run([sys.executable, "-c", "import streamcoll; streamcoll.init(timeout=3)"], env=env,
+                   pass_fds=() if kind == "closed" else (fd,), capture_output=True, text=True, timeout=60)
+print(f"rc={p.returncode} took={time.monotonic() - t0:.1f}")
+print(p.stderr.strip().splitlines()[-1])
+"""
+
+
+@pytest.mark.parametrize("kind,says", [
+    ("silent", "TimeoutError: PMI_FD: no answer from the launcher in 3 s"),
+    ("pipe", "not an open socket"),
+    ("closed", "not an open socket"),
+    ("garbage", "answered 'hello world'"),
+    ("eof", "PMI_FD"),
+])
+def test_a_pmi_fd_that_is_not_hydra_fails_bounded_and_named(kind, says):
+    # No mpiexec: PMI_FD names a socket nobody answers on, a pipe, a closed
+    # descriptor, one that answers garbage or is closed at the far end.
+    e = job_env()
+    p = subprocess.run([sys.executable, "-c", _FAKE_FD, kind], cwd=str(ROOT), env=e, capture_output=True,
+                       text=True, timeout=90)
+    rc_line, last = (p.stdout.strip().splitlines() + ["", ""])[:2]
+    assert rc_line.startswith("rc=1 ") and float(rc_line.split("took=")[1]) < 30, (p.stdout, p.stderr[-2000:])
+    assert "rank 0's address through hydra's PMI (PMI_FD) failed" in last and says in last, last
+
+
+_WAITS = r"""
+import os, sys, time
+r = int(os.environ["PMI_RANK"])
+if r == 1:
+    time.sleep(100)
+print(f"pid {os.getpid()}", flush=True)
+import streamcoll
+streamcoll.init(timeout=90)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_a_rank_waiting_on_pmi(venv_bin, sig):
+    # rank 0 waits in the PMI barrier for rank 1 (100 s late); a signal to
+    # rank 0 ends it, and hydra then ends the job.
+    p = subprocess.Popen([str(venv_bin / "mpiexec"), "-n", "2", str(venv_bin / "python"), "-c", _WAITS],
+                         cwd=str(ROOT), env=job_env(venv_bin), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("pid "), line
+        time.sleep(3)  # inside streamcoll.init: the PMI barrier
+        t0 = time.monotonic()
+        os.kill(int(line.split()[1]), sig)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"mpiexec still running 30 s after {sig.name} to rank 0")
+        took = time.monotonic() - t0
+        assert took < 15 and p.returncode != 0, (took, p.returncode)
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
