@@ -209,7 +209,6 @@ print("reported:", mapped_libfabric())
 """
 
 
-@pytest.mark.xfail(strict=True, reason="mapped_libfabric reports the lowest mapping, not the one a by-name open (oneCCL's) gets")
 def test_with_two_libfabrics_mapped_the_report_names_the_one_oneccl_gets(venv_bin):
     # mapped_libfabric took the lowest mapping in /proc/self/maps: the copy
     # mapped last (2.5), while a by-name open (oneCCL's) gets the first (1.17).
