@@ -448,7 +448,7 @@ def _fabric_cause(topo: "topology.Topology", fabrics: Dict[int, str]) -> str:
         kinds: Dict[str, List[int]] = {}
         for r in host.ranks:
             v = fabrics.get(r, "?")
-            if not v.startswith("?"):
+            if " " in v and not v.startswith("?"):  # "VERSION PATH"; '?', '' or a short value: unknown
                 kinds.setdefault(v.split(" ", 1)[0], []).append(r)
         if len(kinds) > 1:
             parts = "; ".join(f"rank(s) {', '.join(map(str, rs))}: libfabric {v} "

@@ -221,3 +221,33 @@ def test_with_two_libfabrics_mapped_the_report_names_the_one_oneccl_gets(venv_bi
     assert lines.get("none") == "''", (p.stdout, p.stderr[-2000:])
     assert lines["reported"].split()[0] == lines["by name"] != "2.5", p.stdout
     assert f"also mapped: {wheel}" in lines["reported"], p.stdout
+
+
+def _topo(hosts):
+    from streamcoll.startup import topology
+    facts = [topology.RankFacts(r, h, "M", "N", f"host{h}", 100 + r, None, (0, 1), None) for r, h in enumerate(hosts)]
+    return topology.Topology.from_facts(facts, 0)
+
+
+def test_the_libfabric_cause_only_where_versions_differ_on_one_host():
+    from streamcoll.startup.bootstrap import _fabric_cause
+    one = _topo(["A", "A"])
+    same = {0: "1.17 /usr/lib/libfabric.so.1.20.0", 1: "1.17 /opt/other/libfabric.so.1 (also mapped: /x/libfabric.so.1)"}
+    assert _fabric_cause(one, same) == ""  # same version, other paths: not blamed
+    assert _fabric_cause(one, {0: "1.17 /a/libfabric.so.1"}) == ""  # a rank that never said
+    assert _fabric_cause(one, {0: "1.17 /a/libfabric.so.1", 1: "? /b/libfabric.so.1"}) == ""  # no fi_version
+    assert _fabric_cause(one, {0: "", 1: "1.17 /a/libfabric.so.1"}) == ""  # none mapped on rank 0
+    assert _fabric_cause(_topo(["A", "B"]), {0: "1.17 /a/libfabric.so.1", 1: "2.5 /b/libfabric.so.1"}) == ""
+    why = _fabric_cause(one, {0: "1.17 /a/libfabric.so.1", 1: "2.5 /b/libfabric.so.1"})
+    assert "rank(s) 0: libfabric 1.17 (/a/libfabric.so.1)" in why and "rank(s) 1: libfabric 2.5" in why, why
+
+
+def test_the_report_waits_at_most_its_bound_for_a_rank_that_never_says():
+    import torch.distributed as dist
+    from streamcoll.startup import bootstrap
+    store = dist.HashStore()
+    store.set("fabric/1", "1.17 /a/libfabric.so.1")
+    t0 = time.monotonic()
+    got = bootstrap._fabrics(store, _topo(["A", "A", "A"]), [0, 1, 2])  # rank 2 began, never publishes
+    took = time.monotonic() - t0
+    assert set(got) == {0, 1} and bootstrap.FABRIC_WAIT <= took < bootstrap.FABRIC_WAIT + 1.5, (got, took)
