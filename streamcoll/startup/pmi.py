@@ -153,12 +153,28 @@ def _mpi_took_over() -> bool:
         return False
 
 
+def _failed() -> bool:
+    """Whether this process ends on a failure hydra should end the job for:
+    an uncaught exception, or a native call that never returns (a stuck
+    collective: :func:`streamcoll.diagnostics.failure.skip_native_teardown`).
+    Without PMI's finalize hydra takes the exit as an abort and ends the
+    other ranks (a finalised rank's non-zero exit ends nothing: measured,
+    the other rank slept on for 30 s)."""
+    if getattr(sys, "last_value", None) is not None:
+        return True
+    try:
+        from ..diagnostics import failure
+        return bool(failure._SKIP_REGISTERED)
+    except Exception:
+        return False
+
+
 def _finalize() -> None:
     if not _AT_EXIT:
         return
     pid, conn = _AT_EXIT.pop()
     try:
-        if pid == os.getpid() and not _mpi_took_over():  # a fork's child: its parent finalises
+        if pid == os.getpid() and not _mpi_took_over() and not _failed():  # a fork's child: its parent finalises
             conn.timeout = 5.0
             conn.command("cmd=finalize", "finalize_ack")
     except (OSError, PmiError):
@@ -170,7 +186,9 @@ def _finalize() -> None:
 def finalize_at_exit(conn: Pmi) -> None:
     """Keep ``conn`` open and send PMI's ``finalize`` on it when this
     process exits normally, unless an MPI initialised meanwhile (its own
-    finalize tells hydra). A second connection is closed at once."""
+    finalize tells hydra) or the process ends on a failure (:func:`_failed`:
+    then hydra ends the job, as it did before). A second connection is
+    closed at once."""
     if _AT_EXIT:
         conn.close()
         return

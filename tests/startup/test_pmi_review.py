@@ -70,6 +70,26 @@ def test_a_rank_that_ends_first_does_not_kill_the_others(venv_bin, n):
     assert done == list(range(n)) and rc == 0, (rc, out[-3000:])
 
 
+_RAISES = r"""
+import time, torch, streamcoll
+c = streamcoll.init(timeout=60)
+t = torch.ones(1); c.all_reduce(t)
+if c.rank == 0:
+    raise RuntimeError("rank 0 fails")
+time.sleep(60)
+print(f"rank {c.rank} slept on", flush=True)
+"""
+
+
+def test_a_rank_that_fails_still_ends_the_job(venv_bin):
+    # The finalize at exit must not keep a failed job alive: after an uncaught
+    # exception (or a stuck native call) no finalize, so hydra ends the others
+    # (a finalised rank's non-zero exit ends nothing: the hang-report mpiexec
+    # 'fail' test ran past its 30 s with the first fix).
+    rc, out, took = mpiexec(venv_bin, 2, _RAISES, timeout=120)
+    assert rc != 0 and took < 40 and "slept on" not in out, (rc, took, out[-3000:])
+
+
 _ADOPT_THEN_MPI = r"""
 import streamcoll.launchers
 streamcoll.launchers.adopt()   # hydra's PMI: rank 0's address and a port
