@@ -107,6 +107,32 @@ def test_mpi_initialises_after_the_pmi_rendezvous(venv_bin):
     assert rc == 0 and out.count(" mpi 2") == 2, (rc, out[-3000:])
 
 
+_STAGGERED = r"""
+import os, sys, time
+r = int(os.environ["PMI_RANK"])
+time.sleep(2.0 * r)                      # ranks starting seconds apart
+import torch, streamcoll, torch.distributed as dist
+c = streamcoll.init(timeout=60)          # hydra's PMI: rank 0's address and a port
+t = torch.ones(1); c.all_reduce(t)
+c2 = streamcoll.new_communicator(timeout=60)   # a second communicator on the launcher's store
+t2 = torch.ones(1); c2.all_reduce(t2)
+dist.init_process_group("streamcoll")    # torch's world after streamcoll.init: no second PMI exchange
+t3 = torch.ones(1); dist.all_reduce(t3)
+sub = dist.new_group([0, 1])
+if r < 2:
+    t4 = torch.ones(1); dist.all_reduce(t4, group=sub)
+dist.barrier()
+dist.destroy_process_group()
+print(f"rank {r} ok {t.item()} {t2.item()} {t3.item()}", flush=True)
+"""
+
+
+def test_three_ranks_apart_make_every_kind_of_world(venv_bin):
+    # Measured before the finalize: every rank printed ok, mpiexec exited 9.
+    rc, out, _ = mpiexec(venv_bin, 3, _STAGGERED, timeout=180)
+    assert rc == 0 and sum(f"rank {r} ok 3.0 3.0 3.0" in out for r in range(3)) == 3, (rc, out[-3000:])
+
+
 _LATE = r"""
 import os, sys, time
 r = int(os.environ["PMI_RANK"])
