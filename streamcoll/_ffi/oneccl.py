@@ -170,19 +170,29 @@ def mapped_libfabric() -> str:
     ``MPI_Init`` maps the ``mpich`` wheel's 2.5) or the system's."""
     try:
         with open("/proc/self/maps") as f:
-            paths = [ln.split(maxsplit=5)[-1].strip() for ln in f if "/libfabric.so" in ln and ln.count(" ") >= 5]
+            maps = [ln.split(maxsplit=5) for ln in f if "/libfabric.so" in ln and ln.count(" ") >= 5]
     except OSError:
         return ""
+    paths = list(dict.fromkeys(m[-1].strip() for m in maps))
     if not paths:
         return ""
     import ctypes
+    path = paths[0]
+    try:  # the one a by-name open gets (oneCCL's), not the lowest mapping: two can be mapped (one by path)
+        fn = ctypes.CDLL("libfabric.so.1", mode=getattr(os, "RTLD_NOLOAD", 4)).fi_version
+        at = ctypes.cast(fn, ctypes.c_void_p).value or 0
+        path = next((m[-1].strip() for m in maps
+                     if int(m[0].split("-")[0], 16) <= at < int(m[0].split("-")[1], 16)), path)
+    except (OSError, AttributeError, ValueError):
+        pass
+    also = f" (also mapped: {', '.join(p for p in paths if p != path)})" if len(paths) > 1 else ""
     try:
-        fn = ctypes.CDLL(paths[0]).fi_version  # mapped already: the same handle, nothing loaded
+        fn = ctypes.CDLL(path).fi_version  # mapped already: the same handle, nothing loaded
         fn.restype = ctypes.c_uint32
         n = int(fn())
-        return f"{n >> 16}.{n & 0xFFFF} {paths[0]}"
+        return f"{n >> 16}.{n & 0xFFFF} {path}{also}"
     except (OSError, AttributeError):
-        return f"? {paths[0]}"
+        return f"? {path}{also}"
 
 
 binding = ONECCL = _Oneccl()

@@ -196,7 +196,7 @@ def new_communicator(
         raise ValueError(f"store: expected a torch.distributed Store or an address 'host:port', got "
                          f"{type(store).__name__} {store!r}"[:300])
     if store is None or rank is None or world_size is None:  # srun, mpiexec: torchrun's variables from theirs
-        launchers.adopt(rendezvous=store is None)
+        launchers.adopt(rendezvous=store is None, timeout=t)
     if rank is None:
         rank = read_int("RANK", 0)
     if world_size is None:
@@ -448,7 +448,7 @@ def _fabric_cause(topo: "topology.Topology", fabrics: Dict[int, str]) -> str:
         kinds: Dict[str, List[int]] = {}
         for r in host.ranks:
             v = fabrics.get(r, "?")
-            if not v.startswith("?"):
+            if " " in v and not v.startswith("?"):  # "VERSION PATH"; '?', '' or a short value: unknown
                 kinds.setdefault(v.split(" ", 1)[0], []).append(r)
         if len(kinds) > 1:
             parts = "; ".join(f"rank(s) {', '.join(map(str, rs))}: libfabric {v} "

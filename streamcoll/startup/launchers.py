@@ -308,7 +308,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _mpi_rendezvous(launch: Launch, env: Mapping[str, str]) -> Launch:
+def _mpi_rendezvous(launch: Launch, env: Mapping[str, str], timeout: Optional[float] = None) -> Launch:
     """MASTER_ADDR/MASTER_PORT where set; else, under hydra, its PMI
     (``PMI_FD``) unless mpi4py's MPI is loaded already; else mpi4py
     (collective over the MPI world); else a RendezvousError naming the ways."""
@@ -316,7 +316,7 @@ def _mpi_rendezvous(launch: Launch, env: Mapping[str, str]) -> Launch:
     if addr and port and launch.world_size is not None:
         return replace(launch, address=addr, port=port, how="MASTER_ADDR, MASTER_PORT")
     if launch.launcher == "mpich-hydra" and _pmi_wanted(env):
-        return _pmi_rendezvous(launch, env, addr, port)
+        return _pmi_rendezvous(launch, env, addr, port, timeout)
     MPI = _mpi4py()
     if MPI is None:
         if addr and launch.world_size is not None:
@@ -353,7 +353,8 @@ def _pmi_wanted(env: Mapping[str, str]) -> bool:
     return bool(env.get("PMI_FD", "").strip()) and "mpi4py.MPI" not in sys.modules
 
 
-def _pmi_rendezvous(launch: Launch, env: Mapping[str, str], addr: Optional[str], port: Optional[str]) -> Launch:
+def _pmi_rendezvous(launch: Launch, env: Mapping[str, str], addr: Optional[str], port: Optional[str],
+                    timeout: Optional[float] = None) -> Launch:
     """hydra's PMI (``PMI_FD``) in place of mpi4py: no MPI library, so no
     MPI's libfabric, in the process (why: :mod:`streamcoll.startup.pmi`).
     Used where mpi4py's MPI is not loaded already (then it is the way)."""
@@ -363,12 +364,14 @@ def _pmi_rendezvous(launch: Launch, env: Mapping[str, str], addr: Optional[str],
         return addr or _reachable_address(same_host), port or str(_free_port())
 
     try:
-        conn = pmi.connect(env)
+        conn = pmi.connect(env, pmi.TIMEOUT if timeout is None else timeout)
         assert conn is not None
         try:
             a, p = pmi.rendezvous(conn, launch.rank, launch.world_size or 0, host_identity()[2], choose)
-        finally:
+        except BaseException:
             conn.close()
+            raise
+        pmi.finalize_at_exit(conn)  # else hydra takes this process's exit for an abort and kills the job
     except (ValueError, OSError, pmi.PmiError) as e:
         raise RendezvousError(
             f"{launch.describe()}: rank 0's address through hydra's PMI (PMI_FD) failed: {type(e).__name__}: {e}. "
@@ -379,7 +382,7 @@ def _pmi_rendezvous(launch: Launch, env: Mapping[str, str], addr: Optional[str],
     return replace(launch, address=a, port=p, how=how)
 
 
-def _rendezvous(launch: Launch, env: Mapping[str, str]) -> Launch:
+def _rendezvous(launch: Launch, env: Mapping[str, str], timeout: Optional[float] = None) -> Launch:
     la = next(la for la in TABLE if la.name == launch.launcher)
     if la.rendezvous == "env":
         return replace(launch, address=env.get("MASTER_ADDR") or None, port=env.get("MASTER_PORT") or None,
@@ -392,7 +395,7 @@ def _rendezvous(launch: Launch, env: Mapping[str, str]) -> Launch:
                 f"{launch.describe()}: SLURM gives no {'nodelist' if addr is None else 'job id'} to derive the "
                 f"rendezvous from; set {need} on every task", [], addr or "", -1, launch.world_size or -1, timed_out=False)
         return replace(launch, address=addr, port=port, how=how)
-    return _mpi_rendezvous(launch, env)
+    return _mpi_rendezvous(launch, env, timeout)
 
 
 _ADOPTED: Optional[Launch] = None
@@ -414,7 +417,8 @@ def _torch_initialized() -> bool:
         return False
 
 
-def adopt(rendezvous: bool = True, environ: Optional[MutableMapping[str, str]] = None) -> Optional[Launch]:
+def adopt(rendezvous: bool = True, environ: Optional[MutableMapping[str, str]] = None,
+          timeout: Optional[float] = None) -> Optional[Launch]:
     """Detect the launcher and export what it says as torchrun's variables
     where they are unset (see the module docstring); with ``rendezvous``
     (no store given and torch.distributed not initialised), find rank 0's
@@ -423,8 +427,10 @@ def adopt(rendezvous: bool = True, environ: Optional[MutableMapping[str, str]] =
     A torchrun variable already set to something else than the launcher
     says is a ValueError naming both (which rank is this process?); a
     launcher that says N > 1 ranks with no way to find rank 0 is a
-    :class:`RendezvousError`, raised on every rank. Returns the launch, or
-    None where no launcher is detected (a plain ``python job.py``)."""
+    :class:`RendezvousError`, raised on every rank. ``timeout`` (seconds)
+    bounds each wait of hydra's PMI (a rank that never comes: init's
+    timeout; None: 300 s). Returns the launch, or None where no launcher
+    is detected (a plain ``python job.py``)."""
     global _ADOPTED
     env = os.environ if environ is None else environ
     launch = detect(env)
@@ -433,7 +439,7 @@ def adopt(rendezvous: bool = True, environ: Optional[MutableMapping[str, str]] =
     la = next(la for la in TABLE if la.name == launch.launcher)
     needs = rendezvous and la.rendezvous != "env" and not _torch_initialized()
     if needs:
-        launch = _rendezvous(launch, env)
+        launch = _rendezvous(launch, env, timeout)
     if la.rendezvous == "env":
         return launch  # torch's own variables: nothing to export
     values = {"RANK": launch.rank, "WORLD_SIZE": launch.world_size, "LOCAL_RANK": launch.local_rank}

@@ -14,25 +14,33 @@ would load anyway.
 
 The protocol (MPICH's ``src/pmi/simple``): one line per command,
 ``cmd=NAME key=value ...\\n``, one line per answer. The rendezvous sends
-``init``, ``get_my_kvsname``, ``put``, ``barrier_in``, ``get``; never
-``finalize``, so an MPI the program starts later (mpi4py, oneCCL's MPI
-transport) initialises on the same connection (measured with MPICH 5.0.2's
-hydra: ``MPI_Init`` after it works, and the job exits 0).
+``init``, ``get_my_kvsname``, ``put``, ``barrier_in``, ``get``, and
+``finalize`` only at the process's exit (:func:`finalize_at_exit`), so an
+MPI the program starts later (mpi4py, oneCCL's MPI transport) initialises
+on the same connection (measured with MPICH 5.0.2's hydra: ``MPI_Init``
+after it works, and the job exits 0). The finalize is needed: hydra takes
+the exit of a process that sent ``init`` and no ``finalize`` as an abort
+and SIGKILLs the rest of the job (measured: the first rank to end killed
+the others, 1 of 4 ranks finished and mpiexec exited 9).
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
+import select
 import socket
+import sys
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
-__all__ = ["PmiError", "Pmi", "connect", "rendezvous"]
+__all__ = ["PmiError", "Pmi", "connect", "rendezvous", "finalize_at_exit"]
 
 TIMEOUT = 300.0
 """Seconds one PMI answer may take (a barrier waits for the slowest rank's
 start): past it the rendezvous fails naming PMI, not hangs for good."""
 
 _ROUND = [0]  # rendezvous made in this process: each uses its own keys
+_AT_EXIT: List[Tuple[int, "Pmi"]] = []  # (pid, connection) finalize_at_exit finalises
 
 
 class PmiError(RuntimeError):
@@ -44,8 +52,13 @@ class Pmi:
     leaves the launcher's descriptor to the MPI library)."""
 
     def __init__(self, fd: int, timeout: float = TIMEOUT) -> None:
+        # Blocking, waits bounded with select: a socket timeout would set
+        # O_NONBLOCK on the descriptor's file description, which the dup
+        # shares with PMI_FD, and MPICH's PMI_Init, reading it later,
+        # failed with EAGAIN ("PMI_Init returned -1", measured).
         self.sock = socket.socket(fileno=os.dup(fd))
-        self.sock.settimeout(timeout)
+        self.sock.setblocking(True)
+        self.timeout = timeout
         self._buf = b""
         self.kvs = ""
 
@@ -54,6 +67,8 @@ class Pmi:
 
     def _line(self) -> str:
         while b"\n" not in self._buf:
+            if not select.select([self.sock], [], [], self.timeout)[0]:
+                raise socket.timeout(f"PMI_FD: no answer from the launcher in {self.timeout:g} s")
             got = self.sock.recv(4096)
             if not got:
                 raise PmiError("PMI_FD: the launcher closed the connection")
@@ -85,7 +100,7 @@ class Pmi:
         self.command("cmd=barrier_in", "barrier_out")
 
 
-def connect(env: Mapping[str, str]) -> Optional[Pmi]:
+def connect(env: Mapping[str, str], timeout: float = TIMEOUT) -> Optional[Pmi]:
     """The PMI connection ``PMI_FD`` names (None: unset); a malformed value
     is a ValueError naming it."""
     raw = env.get("PMI_FD", "").strip()
@@ -96,7 +111,7 @@ def connect(env: Mapping[str, str]) -> Optional[Pmi]:
     except ValueError:
         raise ValueError(f"PMI_FD: expected a file descriptor number, got {raw!r}") from None
     try:
-        return Pmi(fd)
+        return Pmi(fd, timeout)
     except OSError as e:
         raise ValueError(f"PMI_FD={raw}: not an open socket ({e})") from None
 
@@ -126,3 +141,56 @@ def rendezvous(pmi: Pmi, rank: int, size: int, network: str,
     pmi.barrier()
     addr, _, port = pmi.get(f"{tag}-addr").partition("|")
     return addr, port
+
+
+def _mpi_took_over() -> bool:
+    """Whether an MPI initialised in this process (through mpi4py): its
+    ``MPI_Finalize`` sends PMI's finalize on the same connection."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    try:
+        return MPI is not None and bool(MPI.Is_initialized())
+    except Exception:
+        return False
+
+
+def _failed() -> bool:
+    """Whether this process ends on a failure hydra should end the job for:
+    an uncaught exception, or a native call that never returns (a stuck
+    collective: :func:`streamcoll.diagnostics.failure.skip_native_teardown`).
+    Without PMI's finalize hydra takes the exit as an abort and ends the
+    other ranks (a finalised rank's non-zero exit ends nothing: measured,
+    the other rank slept on for 30 s)."""
+    if getattr(sys, "last_value", None) is not None:
+        return True
+    try:
+        from ..diagnostics import failure
+        return bool(failure._SKIP_REGISTERED)
+    except Exception:
+        return False
+
+
+def _finalize() -> None:
+    if not _AT_EXIT:
+        return
+    pid, conn = _AT_EXIT.pop()
+    try:
+        if pid == os.getpid() and not _mpi_took_over() and not _failed():  # a fork's child: its parent finalises
+            conn.timeout = 5.0
+            conn.command("cmd=finalize", "finalize_ack")
+    except (OSError, PmiError):
+        pass  # the launcher is gone: nothing to tell it
+    finally:
+        conn.close()
+
+
+def finalize_at_exit(conn: Pmi) -> None:
+    """Keep ``conn`` open and send PMI's ``finalize`` on it when this
+    process exits normally, unless an MPI initialised meanwhile (its own
+    finalize tells hydra) or the process ends on a failure (:func:`_failed`:
+    then hydra ends the job, as it did before). A second connection is
+    closed at once."""
+    if _AT_EXIT:
+        conn.close()
+        return
+    atexit.register(_finalize)  # once: a second call found _AT_EXIT set
+    _AT_EXIT.append((os.getpid(), conn))

@@ -379,3 +379,89 @@ def test_a_trainer_over_two_hosts_and_a_server_beside_it_meet_with_the_defaults(
         assert res[0][0]["world_hosts"] == [[0], [1]], res[0]
     finally:
         ps.kill()
+
+
+# ------------------------------------------------- the job scope (review 45)
+def _step_task_and_server(tmp_path) -> List[dict]:
+    """A 2-task srun step's task 0 (fake SLURM variables) and a server
+    started with python form a 2-process world through
+    ``init_process_group(store=TCPStore)``, timeout 8 s: each one's result."""
+    addr = f"127.0.0.1:{free_port()}"
+    tcp = dict(CCL_ATL_SHM="0", FI_PROVIDER="tcp", MEMBER_STORE="pg")
+    step = dict(SRUN_STEP, SLURM_NTASKS="2", SLURM_TASKS_PER_NODE="2")
+    ps = Processes(str(tmp_path))
+    try:
+        _member(tmp_path, ps, addr, 0, 2, "weights", 8, "trainer.out", dict(step, **tcp))
+        _member(tmp_path, ps, addr, 1, 2, "weights", 8, "server.out", tcp)
+        ps.wait_all(90)
+        got = [_results(ps, "trainer.out"), _results(ps, "server.out")]
+        logs = ps.text("trainer.out")[-1500:] + ps.text("server.out")[-1500:]
+        assert all(got), logs
+        return [g[0] for g in got]
+    finally:
+        ps.kill()
+
+
+def test_a_world_of_the_steps_size_with_an_outside_member_ends_within_its_timeout(tmp_path):
+    """Known limitation, measured: the world's size equals the step's, so the
+    task leads its keys with ``slurm4242.0/``; the server (no SLURM
+    variable) does not: they never meet. Every member must still end within
+    its timeout (measured: both at 7.7-8.3 s, CollectiveTimeout, or on the
+    server a RendezvousError when the store's host, the task, ended first)."""
+    for r, res in enumerate(_step_task_and_server(tmp_path)):
+        assert res["took"] < 30, (r, res)
+        assert ("error" not in res and res["sum"] == [3.0] * 4) or res["error"].startswith(("CollectiveTimeout", "RendezvousError")), (r, res)
+
+
+@pytest.mark.xfail(strict=True, reason="the members disagree about the job scope (the task's world has the step's "
+                   "size, the server has no SLURM variable); the timeout names the missing rank and MASTER_ADDR/"
+                   "MASTER_PORT, never the scope (slurm4242.0/) nor job_scoped=False: the user cannot tell why")
+def test_a_world_of_the_steps_size_with_an_outside_member_names_the_scope(tmp_path):
+    for r, res in enumerate(_step_task_and_server(tmp_path)):
+        assert ("error" not in res and res["sum"] == [3.0] * 4) or "slurm4242.0" in res["error"], (r, res)
+
+
+_STEP_MEMBER = r"""
+import json, os, sys, time
+import torch, streamcoll
+addr, rank, step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+res = {"step": step, "rank": rank}
+try:
+    c = streamcoll.new_communicator(backend="oneccl", device="cpu", store=addr, rank=rank, world_size=2, timeout=15)
+    t = torch.tensor([float(10 * step + rank + 1)])
+    c.all_reduce(t)
+    res["sum"] = t.item()
+except Exception as e:
+    res["error"] = f"{type(e).__name__}: {e}"[:600]
+print("RESULT " + json.dumps(res), flush=True)
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="a store given is shared by whoever passed it (no job scope): two srun steps "
+                   "whose ports collide and that both pass the launcher's store address to new_communicator pair "
+                   "their ranks by arrival order in streamcoll/comm/2/made, across steps")
+def test_two_colliding_steps_passing_one_store_never_mix(tmp_path):
+    """Two 2-task srun steps (jobs 4242 and 4343, fake SLURM variables)
+    whose rendezvous ports collide: all four pass that address as
+    ``store=`` to ``new_communicator`` (rank, world_size=2). Arriving in the
+    order A0, B1, A1, B0, each step's sum must be its own (3 and 23), or
+    every member fail naming the other job; never a sum across steps."""
+    addr = f"127.0.0.1:{free_port()}"
+    job = tmp_path / "step_member.py"
+    job.write_text(_STEP_MEMBER)
+    ps = Processes(str(tmp_path))
+    outs = []
+    try:
+        for step, rank in ((0, 0), (1, 1), (0, 1), (1, 0)):
+            env = dict(SRUN_STEP, SLURM_JOB_ID=str(4242 + 101 * step), SLURM_PROCID=str(rank), SLURM_NTASKS="2",
+                       SLURM_TASKS_PER_NODE="2", SLURM_LOCALID=str(rank), CCL_ATL_SHM="0", FI_PROVIDER="tcp")
+            out = f"s{step}r{rank}.out"
+            outs.append(out)
+            ps.start([sys.executable, str(job), addr, str(rank), str(step)], _env(env), out)
+            time.sleep(4)  # import and reach the rendezvous before the next one starts
+        ps.wait_all(90)
+        res = [(_results(ps, o) or [{}])[0] for o in outs]
+        for r in res:
+            assert r and ("error" in r or r["sum"] == 3.0 + 20 * r["step"]), res
+    finally:
+        ps.kill()
