@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
@@ -91,17 +91,25 @@ def test_a_member_started_by_srun_meets_a_server_started_with_python(tmp_path, h
     Their rendezvous must meet. Before, with a store object the srun task
     led its keys with its job's scope (``slurm4242.0/``), the server did
     not: both timed out."""
+    got, logs = _task_and_server(tmp_path, how, SRUN_STEP, 60)
+    for r, res in enumerate(got):
+        assert res and "error" not in res[0] and res[0]["sum"] == [3.0] * 4, (r, res, logs)
+
+
+def _task_and_server(tmp_path, how: str, step: Dict[str, str], wait: float) -> Tuple[List[List[dict]], str]:
+    """An srun task (``step``: its fake SLURM variables) as rank 0 and a
+    server started with python as rank 1 of a 2-process world meeting
+    through ``how`` (``MEMBER_STORE``), timeout 8 s: each one's results and
+    the tails of their logs."""
     addr = f"127.0.0.1:{free_port()}"
     tcp = dict(CCL_ATL_SHM="0", FI_PROVIDER="tcp", MEMBER_STORE=how)
     ps = Processes(str(tmp_path))
     try:
-        _member(tmp_path, ps, addr, 0, 2, "weights", 8, "trainer.out", dict(SRUN_STEP, **tcp))
+        _member(tmp_path, ps, addr, 0, 2, "weights", 8, "trainer.out", dict(step, **tcp))
         _member(tmp_path, ps, addr, 1, 2, "weights", 8, "server.out", tcp)
-        ps.wait_all(60)
+        ps.wait_all(wait)
         got = [_results(ps, "trainer.out"), _results(ps, "server.out")]
-        logs = ps.text("trainer.out")[-1500:] + ps.text("server.out")[-1500:]
-        for r, res in enumerate(got):
-            assert res and "error" not in res[0] and res[0]["sum"] == [3.0] * 4, (r, res, logs)
+        return got, ps.text("trainer.out")[-1500:] + ps.text("server.out")[-1500:]
     finally:
         ps.kill()
 
@@ -386,20 +394,9 @@ def _step_task_and_server(tmp_path) -> List[dict]:
     """A 2-task srun step's task 0 (fake SLURM variables) and a server
     started with python form a 2-process world through
     ``init_process_group(store=TCPStore)``, timeout 8 s: each one's result."""
-    addr = f"127.0.0.1:{free_port()}"
-    tcp = dict(CCL_ATL_SHM="0", FI_PROVIDER="tcp", MEMBER_STORE="pg")
-    step = dict(SRUN_STEP, SLURM_NTASKS="2", SLURM_TASKS_PER_NODE="2")
-    ps = Processes(str(tmp_path))
-    try:
-        _member(tmp_path, ps, addr, 0, 2, "weights", 8, "trainer.out", dict(step, **tcp))
-        _member(tmp_path, ps, addr, 1, 2, "weights", 8, "server.out", tcp)
-        ps.wait_all(90)
-        got = [_results(ps, "trainer.out"), _results(ps, "server.out")]
-        logs = ps.text("trainer.out")[-1500:] + ps.text("server.out")[-1500:]
-        assert all(got), logs
-        return [g[0] for g in got]
-    finally:
-        ps.kill()
+    got, logs = _task_and_server(tmp_path, "pg", dict(SRUN_STEP, SLURM_NTASKS="2", SLURM_TASKS_PER_NODE="2"), 90)
+    assert all(got), logs
+    return [g[0] for g in got]
 
 
 def test_a_world_of_the_steps_size_with_an_outside_member_ends_within_its_timeout(tmp_path):
