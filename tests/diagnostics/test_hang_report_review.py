@@ -392,6 +392,20 @@ if __name__ != "__main__":
     def _evaluating(marker: str, func: str) -> str:
         return f"its main thread is at {ME}:{_line(marker)} in {func}"
 
+    def _named_by_rank_0(ranks: "Ranks", absent: tuple, bound: "float | None" = TIMEOUT + 3.0) -> None:
+        """Rank 0 ended with the watchdog's exit code, its report naming rank 1
+        inside ``evaluate`` and saying none of ``absent``, within ``bound`` s
+        of its call (None: no bound)."""
+        ranks.until_ended(0, 60)
+        info = ranks.describe()
+        err = ranks.stderr(0)
+        took = ranks.ended[0] - ranks.result(0)["call"] if bound is not None else 0.0
+        assert ranks.rc(0) == EXIT_CODE, info
+        for text in absent:
+            assert text not in err, f"{took:.2f} s\n{info}"
+        assert _evaluating("REVIEW-EVALUATE", "evaluate") in err, info
+        assert bound is None or took <= bound, f"{took:.2f} s\n{info}"
+
     BACKGROUND = "passed its own timeout="
 
     # ------------------------------------------------------------- exit
@@ -436,14 +450,7 @@ if __name__ != "__main__":
         ranks = Ranks(tmp_path)
         try:
             ranks.launch("exit_barrier", 2)
-            ranks.until_ended(0, 60)
-            info = ranks.describe()
-            err = ranks.stderr(0)
-            took = ranks.ended[0] - ranks.result(0)["call"]
-            assert ranks.rc(0) == EXIT_CODE, info
-            assert "could not ask" not in err, f"{took:.2f} s\n{info}"
-            assert _evaluating("REVIEW-EVALUATE", "evaluate") in err, info
-            assert took <= TIMEOUT + 3.0, f"{took:.2f} s\n{info}"
+            _named_by_rank_0(ranks, ("could not ask",))
         finally:
             ranks.kill()
 
@@ -592,14 +599,7 @@ if __name__ != "__main__":
                 ranks.until(r, "ready", 60)
             os.kill(helper.pid, signal.SIGSTOP)
             ranks.flag("stopped")
-            ranks.until_ended(0, 60)
-            info = ranks.describe()
-            err = ranks.stderr(0)
-            took = ranks.ended[0] - ranks.result(0)["call"]
-            assert ranks.rc(0) == EXIT_CODE, info
-            assert "could not ask" not in err and "did not answer" not in err, f"{took:.2f} s\n{info}"
-            assert _evaluating("REVIEW-EVALUATE", "evaluate") in err, info
-            assert took <= TIMEOUT + 3.0, f"{took:.2f} s\n{info}"
+            _named_by_rank_0(ranks, ("could not ask", "did not answer"))
         finally:
             ranks.kill()
 
@@ -619,13 +619,8 @@ if __name__ != "__main__":
             helper.wait(10)
             ranks.serve(port, "serve2.log")
             ranks.flag("restarted")
-            ranks.until_ended(0, 60)
-            info = ranks.describe()
-            err = ranks.stderr(0)
-            assert ranks.rc(0) == EXIT_CODE, info
+            _named_by_rank_0(ranks, ("could not ask",), bound=None)
             assert ranks.result(0)["clones"] == 3 and ranks.result(1)["clones"] == 3, (ranks.result(0), ranks.result(1))
-            assert "could not ask" not in err, info
-            assert _evaluating("REVIEW-EVALUATE", "evaluate") in err, info
         finally:
             ranks.kill()
 

@@ -153,25 +153,28 @@ def test_mpiexec_without_mpi4py_through_hydras_pmi(no_mpi4py_bin):
     compare_with_gloo(command(r"^mpiexec -n 2 "), job_env(no_mpi4py_bin), "mpiexec -n 2 (hydra's PMI, no mpi4py)")
 
 
-def test_mpiexec_without_a_way_to_rank_0_fails_on_every_rank(no_mpi4py_bin):
-    # hydra's PMI_FD removed from the ranks' environment: no PMI, no mpi4py, no MASTER_ADDR.
-    p = run("mpiexec -n 2 env -u PMI_FD python -c 'import streamcoll; streamcoll.init()'", job_env(no_mpi4py_bin),
+def _init_fails_on_both_ranks(env_args: str, bin_dir) -> str:
+    """``streamcoll.init()`` under ``mpiexec -n 2 env <env_args>`` fails,
+    each rank naming itself: the job's stderr."""
+    p = run(f"mpiexec -n 2 env {env_args} python -c 'import streamcoll; streamcoll.init()'", job_env(bin_dir),
             timeout=120)
     assert p.returncode != 0
     for r in (0, 1):
         assert f"launcher mpich-hydra: rank {r} of 2" in p.stderr, p.stderr[-4000:]
-    assert p.stderr.count("Set MASTER_ADDR") == 2 and p.stderr.count("mpi4py") >= 2, p.stderr[-4000:]
-    assert p.stderr.count("PMI_FD") >= 2, p.stderr[-4000:]
+    return p.stderr
+
+
+def test_mpiexec_without_a_way_to_rank_0_fails_on_every_rank(no_mpi4py_bin):
+    # hydra's PMI_FD removed from the ranks' environment: no PMI, no mpi4py, no MASTER_ADDR.
+    err = _init_fails_on_both_ranks("-u PMI_FD", no_mpi4py_bin)
+    assert err.count("Set MASTER_ADDR") == 2 and err.count("mpi4py") >= 2, err[-4000:]
+    assert err.count("PMI_FD") >= 2, err[-4000:]
 
 
 def test_mpiexec_with_a_bad_pmi_fd_names_it(no_mpi4py_bin):
-    p = run("mpiexec -n 2 env PMI_FD=x python -c 'import streamcoll; streamcoll.init()'", job_env(no_mpi4py_bin),
-            timeout=120)
-    assert p.returncode != 0
-    for r in (0, 1):
-        assert f"launcher mpich-hydra: rank {r} of 2" in p.stderr, p.stderr[-4000:]
-    assert p.stderr.count("rank 0's address through hydra's PMI (PMI_FD) failed: ValueError: PMI_FD: expected a "
-                          "file descriptor number, got 'x'. Set MASTER_ADDR") == 2, p.stderr[-4000:]
+    err = _init_fails_on_both_ranks("PMI_FD=x", no_mpi4py_bin)
+    assert err.count("rank 0's address through hydra's PMI (PMI_FD) failed: ValueError: PMI_FD: expected a "
+                          "file descriptor number, got 'x'. Set MASTER_ADDR") == 2, err[-4000:]
 
 
 def test_a_world_size_the_launcher_contradicts_fails_on_every_rank(no_mpi4py_bin):
