@@ -466,8 +466,8 @@ def _init_report(pstore: Any, topo: "topology.Topology", advertised: Optional[tu
     finished init, and the address, port and interface each rank used (and
     with oneCCL each rank's libfabric)."""
     lines, stuck, absent = [], [], []
-    begun = [r for r in range(topo.world_size) if _check(pstore, f"init/{r}")]
-    fabrics = _fabrics(pstore, topo, begun) if backend == "oneccl" else {}
+    fabrics = (_fabrics(pstore, topo, [r for r in range(topo.world_size) if _check(pstore, f"init/{r}")])
+               if backend == "oneccl" else {})  # NCCL's report asks the store nothing more
     for r in range(topo.world_size):
         try:
             started = pstore.check([f"init/{r}"])
